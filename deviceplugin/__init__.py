@@ -1,0 +1,1 @@
+"""Kubelet device plugin: VFIO PCI resources and the prepared iommufd resource."""

@@ -1,0 +1,1 @@
+"""Generated from proto/deviceplugin/podresources; do not edit."""

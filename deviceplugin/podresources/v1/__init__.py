@@ -1,0 +1,1 @@
+"""Generated from proto/deviceplugin/podresources/v1; do not edit."""

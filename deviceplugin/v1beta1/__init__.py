@@ -1,0 +1,1 @@
+"""Generated from proto/deviceplugin/v1beta1; do not edit."""

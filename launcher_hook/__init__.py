@@ -1,0 +1,1 @@
+"""KubeVirt hook sidecar that moves VFIO host devices to iommufd."""

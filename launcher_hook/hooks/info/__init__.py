@@ -1,0 +1,1 @@
+"""Generated from proto/launcher_hook/hooks/info; do not edit."""
