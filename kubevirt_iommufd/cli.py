@@ -1,4 +1,8 @@
-"""Command line: parse arguments, dispatch to a subcommand, turn errors into one clear line."""
+"""Command line: parse arguments, dispatch to a subcommand, turn errors into one clear line.
+
+Each subcommand lives in its own module exposing `add_parser(commands)`, which registers the
+subcommand and sets `run(args) -> int` as its default; this module only wires them together.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import sys
 from collections.abc import Sequence
 
 from hostdev.errors import HostdevError
-from hostdev.simhost import SCENARIOS
 from kubevirt_iommufd import inspect_command
 
 PROG = "kubevirt-iommufd"
@@ -22,44 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    inspect = commands.add_parser(
-        "inspect",
-        help="list the node's PCI functions by IOMMU group and whether each can be assigned",
-        description=(
-            "List the node's PCI functions grouped by IOMMU group: ids and names, driver, VFIO"
-            " cdev, NUMA node, and whether each can be assigned to a VM (over iommufd or legacy"
-            " VFIO) with the reason when it cannot. Exit 0 on success, 1 on an error."
-        ),
-    )
-    inspect.add_argument(
-        "bdfs",
-        nargs="*",
-        metavar="BDF",
-        help="only these functions and the rest of their IOMMU groups (e.g. 0000:3b:00.0)",
-    )
-    source = inspect.add_mutually_exclusive_group()
-    source.add_argument(
-        "--root",
-        default="/",
-        metavar="DIR",
-        help="directory holding the host's sys/ and dev/ (default: /)",
-    )
-    source.add_argument(
-        "--example",
-        choices=sorted(SCENARIOS),
-        help="inspect a built-in simulated node instead of this host",
-    )
-    inspect.add_argument(
-        "--json",
-        action="store_true",
-        help=f"print the JSON document ({inspect_command.SCHEMA}, see docs/inspect-json.md)",
-    )
-    inspect.add_argument(
-        "--pci-ids",
-        metavar="FILE",
-        help="pci.ids database for names; 'none' for ids only (default: the system's copy)",
-    )
-    inspect.set_defaults(run=inspect_command.run)
+    inspect_command.add_parser(commands)
     return parser
 
 

@@ -15,7 +15,46 @@ from hostdev.report import SCHEMA, build_report, render_table
 from hostdev.scan import scan_host
 from hostdev.simhost import SCENARIOS, build_tree
 
-__all__ = ["SCHEMA", "run"]
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    inspect = commands.add_parser(
+        "inspect",
+        help="list the node's PCI functions by IOMMU group and whether each can be assigned",
+        description=(
+            "List the node's PCI functions grouped by IOMMU group: ids and names, driver, VFIO"
+            " cdev, NUMA node, and whether each can be assigned to a VM (over iommufd or legacy"
+            " VFIO) with the reason when it cannot. Exit 0 on success, 1 on an error."
+        ),
+    )
+    inspect.add_argument(
+        "bdfs",
+        nargs="*",
+        metavar="BDF",
+        help="only these functions and the rest of their IOMMU groups (e.g. 0000:3b:00.0)",
+    )
+    source = inspect.add_mutually_exclusive_group()
+    source.add_argument(
+        "--root",
+        default="/",
+        metavar="DIR",
+        help="directory holding the host's sys/ and dev/ (default: /)",
+    )
+    source.add_argument(
+        "--example",
+        choices=sorted(SCENARIOS),
+        help="inspect a built-in simulated node instead of this host",
+    )
+    inspect.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print the JSON document ({SCHEMA}, see docs/inspect-json.md)",
+    )
+    inspect.add_argument(
+        "--pci-ids",
+        metavar="FILE",
+        help="pci.ids database for names; 'none' for ids only (default: the system's copy)",
+    )
+    inspect.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,1 @@
+"""Mutating admission webhook: adds the iommufd resource to virt-launcher pods."""
