@@ -1,0 +1,33 @@
+"""Shared fixtures: simulated nodes written as real directory trees under tmp_path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hostdev.simhost import SCENARIOS, HostSpec, build_tree
+
+BuildHost = Callable[[HostSpec], Path]
+
+
+@pytest.fixture
+def build_host(tmp_path: Path) -> BuildHost:
+    """Write a HostSpec under a fresh directory and return its root."""
+    counter = iter(range(1_000_000))
+
+    def build(spec: HostSpec) -> Path:
+        return build_tree(spec, tmp_path / f"host{next(counter)}")
+
+    return build
+
+
+@pytest.fixture
+def scenario_root(build_host: BuildHost) -> Callable[[str], Path]:
+    """The root of a named built-in scenario (see hostdev.simhost.SCENARIOS)."""
+
+    def build(name: str) -> Path:
+        return build_host(SCENARIOS[name]())
+
+    return build
