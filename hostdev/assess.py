@@ -34,21 +34,22 @@ def assess_function(function: PciFunction, inventory: HostInventory) -> Assessme
     """Decide from discovered data alone; no IO."""
     caps = inventory.capabilities
     group = inventory.group_of(function)
-    blockers = _blockers(function, group, caps)
-    if blockers or group is None:
-        return Assessment(None, blockers)
-    iommufd_gaps = _iommufd_gaps(function, caps)
-    if not iommufd_gaps:
+    blocked = blockers(function, group, caps)
+    if blocked or group is None:
+        return Assessment(None, blocked)
+    no_iommufd = iommufd_gaps(function, caps)
+    if not no_iommufd:
         return Assessment(Backend.IOMMUFD, ())
-    legacy_gaps = _legacy_gaps(group, caps)
-    if legacy_gaps:
-        return Assessment(None, iommufd_gaps + legacy_gaps)
-    return Assessment(Backend.LEGACY, iommufd_gaps)
+    no_legacy = legacy_gaps(group, caps)
+    if no_legacy:
+        return Assessment(None, no_iommufd + no_legacy)
+    return Assessment(Backend.LEGACY, no_iommufd)
 
 
-def _blockers(
+def blockers(
     function: PciFunction, group: IommuGroup | None, caps: HostCapabilities
 ) -> tuple[str, ...]:
+    """Why the function cannot be assigned over any VFIO interface; empty when it can."""
     if not caps.iommu:
         return (
             "no IOMMU: enable VT-d/AMD-Vi in the firmware and boot with intel_iommu=on"
@@ -70,12 +71,13 @@ def _blockers(
         # The function's own driver is already named above; the group line names the others.
         others = [m for m in group.blockers if m.bdf != function.bdf]
         if others:
-            blockers = ", ".join(f"{member.name} is bound to {member.driver}" for member in others)
-            reasons.append(f"group {group.number} not viable: {blockers}")
+            named = ", ".join(f"{member.name} is bound to {member.driver}" for member in others)
+            reasons.append(f"group {group.number} not viable: {named}")
     return tuple(reasons)
 
 
-def _iommufd_gaps(function: PciFunction, caps: HostCapabilities) -> tuple[str, ...]:
+def iommufd_gaps(function: PciFunction, caps: HostCapabilities) -> tuple[str, ...]:
+    """What the function lacks for iommufd (its cdev and /dev/iommu); empty when nothing."""
     gaps: list[str] = []
     if function.vfio_cdev is None:
         if function.vfio_sysfs_without_cdev or caps.vfio_cdev is False:
@@ -91,7 +93,8 @@ def _iommufd_gaps(function: PciFunction, caps: HostCapabilities) -> tuple[str, .
     return tuple(gaps)
 
 
-def _legacy_gaps(group: IommuGroup, caps: HostCapabilities) -> tuple[str, ...]:
+def legacy_gaps(group: IommuGroup, caps: HostCapabilities) -> tuple[str, ...]:
+    """What the group lacks for legacy VFIO (its group node and the container)."""
     gaps: list[str] = []
     if not group.legacy_node_present:
         gaps.append(f"no legacy VFIO group node: {group.legacy_node} is missing")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from hostdev.bdf import Bdf, is_bdf
@@ -59,9 +61,67 @@ def scan_host(root: Path | str = "/") -> HostInventory:
         function = _read_function(link, name, bdf, group_of.get(name), consumers, cdev_nodes)
         if function is not None:
             functions.append(function)
+    groups = _build_groups(base, group_members, functions)
+    return HostInventory(tuple(functions), groups, _read_capabilities(base, functions, groups))
+
+
+def refresh_host(
+    root: Path | str, previous: HostInventory, changed: Iterable[Bdf]
+) -> HostInventory:
+    """`previous` with the `changed` functions and their IOMMU groups read again.
+
+    For event-driven updates: a bind, an unbind or a node coming and going touches a few
+    functions, and reading a 4,096-function host again for each would be too slow to react.
+    Which /dev nodes exist (cdevs, group nodes, /dev/iommu) is re-checked for every function,
+    since that costs two directory listings.
+    """
+    base = Path(root)
+    if not base.is_dir():
+        raise RootNotFound(str(root))
+    changed = set(changed)
+    consumers = _read_pci_consumers(base)
+    cdev_nodes = _listdir_or_empty(base / "dev/vfio/devices")
+    devices_dir = str(base / PCI_DEVICES)
+    fresh: list[PciFunction] = []
+    for bdf in changed:
+        link = f"{devices_dir}/{bdf}"
+        group = _link_name(f"{link}/iommu_group")
+        function = _read_function(
+            link, str(bdf), bdf, int(group) if group else None, consumers, cdev_nodes
+        )
+        if function is not None:
+            fresh.append(function)
+    functions = sorted(
+        [_with_cdev_presence(f, cdev_nodes) for f in previous.functions if f.bdf not in changed]
+        + fresh,
+        key=lambda f: f.bdf,
+    )
+    touched = {f.iommu_group for f in previous.functions if f.bdf in changed}
+    touched |= {f.iommu_group for f in fresh}
+    group_members = {
+        g.number: [m.name for m in g.members] for g in previous.groups if g.number not in touched
+    }
+    for number in (n for n in touched if n is not None):
+        names = sorted(_listdir_or_empty(base / IOMMU_GROUPS / str(number) / "devices"))
+        if names:
+            group_members[number] = names
+    groups = _build_groups(base, group_members, functions)
+    return HostInventory(tuple(functions), groups, _read_capabilities(base, functions, groups))
+
+
+def _with_cdev_presence(function: PciFunction, cdev_nodes: set[str]) -> PciFunction:
+    present = function.vfio_cdev is not None and function.vfio_cdev in cdev_nodes
+    if present == function.vfio_cdev_present:
+        return function
+    return replace(function, vfio_cdev_present=present)
+
+
+def _build_groups(
+    base: Path, group_members: dict[int, list[str]], functions: list[PciFunction]
+) -> tuple[IommuGroup, ...]:
     by_name = {str(f.bdf): f for f in functions}
     group_nodes = _listdir_or_empty(base / "dev/vfio")
-    groups = tuple(
+    return tuple(
         IommuGroup(
             number=number,
             members=tuple(_group_member(base, number, name, by_name) for name in names),
@@ -69,7 +129,6 @@ def scan_host(root: Path | str = "/") -> HostInventory:
         )
         for number, names in sorted(group_members.items())
     )
-    return HostInventory(tuple(functions), groups, _read_capabilities(base, functions, groups))
 
 
 def _read_group_members(base: Path) -> dict[int, list[str]]:

@@ -200,6 +200,69 @@ class _Builder:
         link.symlink_to(os.path.relpath(target, link.parent))
 
 
+# Driver changes on a built tree, as the kernel makes them ------------------------------------
+
+
+def unbind_driver(root: Path, bdf: str) -> None:
+    """What `echo BDF > driver/unbind` does: the driver links go; leaving a VFIO driver also
+    takes the device's vfio-dev entry and cdev node, and the group node once no member of the
+    group is left on VFIO."""
+    device = (root / "sys/bus/pci/devices" / bdf).resolve()
+    driver_link = device / "driver"
+    driver = driver_link.readlink().name
+    driver_link.unlink()
+    (root / "sys/bus/pci/drivers" / driver / bdf).unlink()
+    if not is_vfio_driver(driver):
+        return
+    for entry in sorted((device / "vfio-dev").glob("vfio*")):
+        (root / "dev/vfio/devices" / entry.name).unlink(missing_ok=True)
+        (entry / "dev").unlink(missing_ok=True)
+        entry.rmdir()
+    (device / "vfio-dev").rmdir()
+    group = _group_of(device)
+    if group is not None and not any(
+        is_vfio_driver(_driver_of(member)) for member in _group_members(root, group)
+    ):
+        (root / "dev/vfio" / group).unlink(missing_ok=True)
+
+
+def bind_driver(root: Path, bdf: str, driver: str, *, cdev: bool = True) -> None:
+    """What a successful bind does: the driver links appear; a VFIO driver adds a vfio-dev entry
+    with the lowest free vfioN, its cdev node when `cdev`, and the group node."""
+    device = (root / "sys/bus/pci/devices" / bdf).resolve()
+    driver_dir = root / "sys/bus/pci/drivers" / driver
+    driver_dir.mkdir(parents=True, exist_ok=True)
+    _Builder._link(device / "driver", driver_dir)
+    _Builder._link(driver_dir / bdf, device)
+    group = _group_of(device)
+    if not is_vfio_driver(driver) or group is None:
+        return
+    taken = {e.name for e in (root / "sys/bus/pci/devices").glob("*/vfio-dev/vfio*")}
+    index = next(i for i in range(len(taken) + 1) if f"vfio{i}" not in taken)
+    entry = device / "vfio-dev" / f"vfio{index}"
+    entry.mkdir(parents=True)
+    if cdev:
+        (entry / "dev").write_text(f"{VFIO_CDEV_MAJOR}:{index}\n")
+        (root / "dev/vfio/devices").mkdir(parents=True, exist_ok=True)
+        (root / "dev/vfio/devices" / entry.name).touch()
+    (root / "dev/vfio").mkdir(exist_ok=True)
+    (root / "dev/vfio" / group).touch()
+
+
+def _group_of(device: Path) -> str | None:
+    link = device / "iommu_group"
+    return link.readlink().name if link.is_symlink() else None
+
+
+def _group_members(root: Path, group: str) -> list[Path]:
+    return [m.resolve() for m in (root / "sys/kernel/iommu_groups" / group / "devices").iterdir()]
+
+
+def _driver_of(device: Path) -> str | None:
+    link = device / "driver"
+    return link.readlink().name if link.is_symlink() else None
+
+
 # Scenarios -----------------------------------------------------------------------------------
 
 H100_SXM = (0x2330, (NVIDIA, 0x16C1), 0xA1)

@@ -12,14 +12,16 @@ from conftest import BuildHost
 from hostdev.bdf import Bdf
 from hostdev.errors import HostReadError, RootNotFound
 from hostdev.model import GroupMember
-from hostdev.scan import scan_host
+from hostdev.scan import refresh_host, scan_host
 from hostdev.simhost import (
     CLASS_3D,
     NVIDIA,
     FunctionSpec,
     HostSpec,
+    bind_driver,
     hgx_h100,
     scale,
+    unbind_driver,
     vga_with_audio,
 )
 
@@ -264,3 +266,75 @@ def test_group_directory_that_is_not_a_number_is_refused(build_host: BuildHost) 
     (root / "sys/kernel/iommu_groups/..x").mkdir()
     with pytest.raises(HostReadError, match="not an IOMMU group number"):
         scan_host(root)
+
+
+def test_unbind_and_bind_move_the_kernel_state(build_host: BuildHost) -> None:
+    root = build_host(hgx_h100())
+    unbind_driver(root, "0000:2a:00.0")
+    gpu = scan_host(root).function(B("0000:2a:00.0"))
+    assert gpu is not None
+    assert (gpu.driver, gpu.vfio_cdev, gpu.vfio_cdev_present) == (None, None, False)
+    assert not (root / "dev/vfio/15").exists()
+    assert not (root / "dev/vfio/devices/vfio1").exists()
+    bind_driver(root, "0000:2a:00.0", "vfio-pci")
+    gpu = scan_host(root).function(B("0000:2a:00.0"))
+    assert gpu is not None
+    assert (gpu.driver, gpu.vfio_cdev, gpu.vfio_cdev_present) == ("vfio-pci", "vfio1", True)
+    assert (root / "dev/vfio/15").exists()
+
+
+def test_group_node_stays_while_a_member_is_on_vfio(build_host: BuildHost) -> None:
+    spec = replace(
+        vga_with_audio(),
+        functions=(
+            vga_with_audio().functions[0],
+            replace(vga_with_audio().functions[1], driver="vfio-pci"),
+        ),
+    )
+    root = build_host(spec)
+    unbind_driver(root, "0000:3b:00.1")
+    assert (root / "dev/vfio/14").exists()
+    unbind_driver(root, "0000:3b:00.0")
+    assert not (root / "dev/vfio/14").exists()
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["unbind", "bind-nvidia", "remove-cdev-node", "remove-group-node", "remove-iommu", "rebind"],
+)
+def test_refresh_of_changed_functions_equals_a_full_scan(
+    build_host: BuildHost, change: str
+) -> None:
+    root = build_host(hgx_h100())
+    before = scan_host(root)
+    target = "0000:9a:00.0"
+    if change == "unbind":
+        unbind_driver(root, target)
+    elif change == "bind-nvidia":
+        unbind_driver(root, target)
+        bind_driver(root, target, "nvidia")
+    elif change == "remove-cdev-node":
+        (root / "dev/vfio/devices/vfio4").unlink()
+    elif change == "remove-group-node":
+        (root / "dev/vfio/25").unlink()
+    elif change == "remove-iommu":
+        (root / "dev/iommu").unlink()
+    else:
+        unbind_driver(root, target)
+        bind_driver(root, target, "vfio-pci")
+    refreshed = refresh_host(root, before, [B(target)])
+    assert refreshed == scan_host(root)
+    if change in ("remove-cdev-node", "remove-group-node", "remove-iommu"):
+        # Node presence is re-checked for every function, so no function needs naming.
+        assert refresh_host(root, before, []) == scan_host(root)
+
+
+def test_refresh_drops_a_removed_function(build_host: BuildHost) -> None:
+    root = build_host(vga_with_audio())
+    before = scan_host(root)
+    (root / "sys/bus/pci/devices/0000:3b:00.1").unlink()
+    (root / "sys/kernel/iommu_groups/14/devices/0000:3b:00.1").unlink()
+    refreshed = refresh_host(root, before, [B("0000:3b:00.1")])
+    assert [str(f.bdf) for f in refreshed.functions] == ["0000:3b:00.0"]
+    group = refreshed.group(14)
+    assert group is not None and group.viable
