@@ -1,0 +1,339 @@
+"""The device plugin's configuration: parsed and validated on load, defaults filled in one place.
+
+A file is YAML or JSON (JSON is read as JSON, anything else as YAML). Every error names the key
+and what was expected, for example `resources[1].selectors.vendors[0]: expected 4 hex digits
+such as "10de", got "nvidia"`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from hostdev.bdf import Bdf
+from hostdev.errors import InvalidBdf
+
+NVIDIA_VENDOR = 0x10DE
+# Class prefixes of NVIDIA devices worth passing through: VGA and 3D controllers (GPUs) and
+# "other bridge" (NVSwitch).
+NVIDIA_CLASSES = ("0300", "0302", "0680")
+ANY_VFIO_DRIVER = "vfio"
+IOMMUFD_RESOURCE = "devices.kubevirt.io/iommufd"
+KUBEVIRT_QEMU_ID = 107
+_RESOURCE_NAME = re.compile(
+    r"(?=.{1,253}/)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+    r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and the fix."""
+
+
+class DeviceMode(Enum):
+    """Which device nodes Allocate hands out for VFIO resources."""
+
+    BOTH = "both"
+    IOMMUFD = "iommufd"
+    LEGACY = "legacy"
+
+
+@dataclass(frozen=True, slots=True)
+class Selectors:
+    """Which PCI functions a resource takes; an empty list places no condition."""
+
+    vendors: tuple[int, ...] = ()
+    devices: tuple[int, ...] = ()
+    classes: tuple[str, ...] = ()
+    """Hex prefixes of the 24-bit class code: "03" (display), "0302" (3D), "030200"."""
+    drivers: tuple[str, ...] = ()
+    """Driver names; "vfio" stands for any VFIO driver. Only decides which devices join: a
+    device that joined stays (and turns Unhealthy) when it leaves the driver."""
+    pci_addresses: tuple[Bdf, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceConfig:
+    """One VFIO resource, or (with `auto_name`) one resource per device id, named as NVIDIA's
+    kubevirt-gpu-device-plugin names them."""
+
+    selectors: Selectors
+    resource_name: str | None = None
+    auto_name: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class IommufdConfig:
+    """The prepared /dev/iommu resource that hands the launcher an iommufd fd."""
+
+    enabled: bool = True
+    resource_name: str = IOMMUFD_RESOURCE
+    slots: int = 110
+    socket_dir: Path = Path("/var/run/kubevirt-iommufd")
+    socket_uid: int = KUBEVIRT_QEMU_ID
+    socket_gid: int = KUBEVIRT_QEMU_ID
+    socket_mode: int = 0o660
+    handoff_timeout_seconds: float = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class PluginConfig:
+    resources: tuple[ResourceConfig, ...]
+    device_mode: DeviceMode = DeviceMode.BOTH
+    iommufd: IommufdConfig = field(default_factory=IommufdConfig)
+    rescan_interval_seconds: float = 30.0
+    pci_ids: Path | None = None
+
+
+def default_resources() -> tuple[ResourceConfig, ...]:
+    """With no configuration: every NVIDIA GPU and NVSwitch on a VFIO driver, auto-named."""
+    return (
+        ResourceConfig(
+            Selectors(vendors=(NVIDIA_VENDOR,), classes=NVIDIA_CLASSES, drivers=(ANY_VFIO_DRIVER,)),
+            auto_name=True,
+        ),
+    )
+
+
+def default_config() -> PluginConfig:
+    return PluginConfig(resources=default_resources())
+
+
+def load_config(path: Path) -> PluginConfig:
+    """Read and validate a configuration file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot read config {path}: {error.strerror or error}") from error
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        raise ConfigError(f"config {path} is not valid {_format(path)}: {error}") from error
+    try:
+        return parse_config({} if data is None else data)
+    except ConfigError as error:
+        raise ConfigError(f"config {path}: {error}") from error
+
+
+def _format(path: Path) -> str:
+    return "JSON" if path.suffix == ".json" else "YAML"
+
+
+def parse_config(data: object) -> PluginConfig:
+    """Validate an already-decoded document (a mapping)."""
+    top = _mapping(data, "the document")
+    _known_keys(top, "", {"resources", "deviceMode", "iommufd", "rescanIntervalSeconds", "pciIds"})
+    resources = (
+        tuple(
+            _resource(item, f"resources[{i}]")
+            for i, item in enumerate(_list(top["resources"], "resources"))
+        )
+        if "resources" in top
+        else default_resources()
+    )
+    mode_text = _string(top.get("deviceMode", "both"), "deviceMode")
+    try:
+        mode = DeviceMode(mode_text)
+    except ValueError:
+        raise ConfigError(
+            f'deviceMode: expected "both", "iommufd" or "legacy", got {mode_text!r}'
+        ) from None
+    interval = _number(top.get("rescanIntervalSeconds", 30), "rescanIntervalSeconds", low=1)
+    pci_ids = top.get("pciIds")
+    return PluginConfig(
+        resources=resources,
+        device_mode=mode,
+        iommufd=_iommufd(top.get("iommufd", {}), "iommufd"),
+        rescan_interval_seconds=interval,
+        pci_ids=None if pci_ids is None else Path(_string(pci_ids, "pciIds")),
+    )
+
+
+def _resource(data: object, key: str) -> ResourceConfig:
+    item = _mapping(data, key)
+    _known_keys(item, key, {"resourceName", "autoName", "selectors"})
+    selectors = _selectors(item.get("selectors", {}), f"{key}.selectors")
+    if "resourceName" in item and "autoName" in item:
+        raise ConfigError(f"{key}: give resourceName or autoName, not both")
+    if "autoName" in item:
+        style = _string(item["autoName"], f"{key}.autoName")
+        if style != "nvidia":
+            raise ConfigError(f'{key}.autoName: expected "nvidia", got {style!r}')
+        return ResourceConfig(selectors, auto_name=True)
+    if "resourceName" not in item:
+        raise ConfigError(f"{key}: missing resourceName (or autoName: nvidia)")
+    name = validate_resource_name(
+        _string(item["resourceName"], f"{key}.resourceName"), f"{key}.resourceName"
+    )
+    if selectors == Selectors():
+        raise ConfigError(f"{key}.selectors: give at least one selector, or every device matches")
+    return ResourceConfig(selectors, resource_name=name)
+
+
+def validate_resource_name(name: str, key: str = "resourceName") -> str:
+    if not _RESOURCE_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{key}: {name!r} is not an extended resource name like vendor.com/device"
+            " (a DNS domain, '/', then up to 63 letters, digits, '-', '_' or '.')"
+        )
+    if name.startswith(("kubernetes.io/", "requests.")):
+        raise ConfigError(f"{key}: {name!r} is in a namespace Kubernetes reserves")
+    return name
+
+
+def _selectors(data: object, key: str) -> Selectors:
+    item = _mapping(data, key)
+    _known_keys(item, key, {"vendors", "devices", "classes", "drivers", "pciAddresses"})
+    return Selectors(
+        vendors=_each(item, "vendors", key, _hex_id),
+        devices=_each(item, "devices", key, _hex_id),
+        classes=_each(item, "classes", key, _class_prefix),
+        drivers=_each(item, "drivers", key, _driver),
+        pci_addresses=_each(item, "pciAddresses", key, _bdf),
+    )
+
+
+T = TypeVar("T")
+
+
+def _each(
+    item: Mapping[str, Any], name: str, key: str, parse: Callable[[object, str], T]
+) -> tuple[T, ...]:
+    values = _list(item.get(name, []), f"{key}.{name}")
+    return tuple(parse(value, f"{key}.{name}[{i}]") for i, value in enumerate(values))
+
+
+def _hex_id(value: object, key: str) -> int:
+    text = _string(value, key).lower().removeprefix("0x")
+    if not re.fullmatch(r"[0-9a-f]{4}", text):
+        raise ConfigError(f'{key}: expected 4 hex digits such as "10de", got {value!r}')
+    return int(text, 16)
+
+
+def _class_prefix(value: object, key: str) -> str:
+    text = _string(value, key).lower().removeprefix("0x")
+    if not re.fullmatch(r"[0-9a-f]{2}|[0-9a-f]{4}|[0-9a-f]{6}", text):
+        raise ConfigError(
+            f'{key}: expected a class prefix of 2, 4 or 6 hex digits such as "0302", got {value!r}'
+        )
+    return text
+
+
+def _driver(value: object, key: str) -> str:
+    text = _string(value, key)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", text):
+        raise ConfigError(f"{key}: expected a driver name such as vfio-pci, got {value!r}")
+    return text
+
+
+def _bdf(value: object, key: str) -> Bdf:
+    try:
+        return Bdf.parse(_string(value, key))
+    except InvalidBdf as error:
+        raise ConfigError(f"{key}: {error}") from None
+
+
+def _iommufd(data: object, key: str) -> IommufdConfig:
+    item = _mapping(data, key)
+    allowed = {
+        "enabled",
+        "resourceName",
+        "slots",
+        "socketDir",
+        "socketOwner",
+        "socketMode",
+        "handoffTimeoutSeconds",
+    }
+    _known_keys(item, key, allowed)
+    defaults = IommufdConfig()
+    owner = _mapping(item.get("socketOwner", {}), f"{key}.socketOwner")
+    _known_keys(owner, f"{key}.socketOwner", {"uid", "gid"})
+    mode_text = _string(item.get("socketMode", "0660"), f"{key}.socketMode")
+    if not re.fullmatch(r"0?[0-7]{3}", mode_text):
+        raise ConfigError(
+            f'{key}.socketMode: expected an octal mode such as "0660", got {mode_text!r}'
+        )
+    mode = int(mode_text, 8)
+    if mode & 0o002:
+        raise ConfigError(
+            f"{key}.socketMode: {mode_text} lets any user take the iommufd fd; drop the"
+            " world-write bit (the default 0660 admits the launcher's uid/gid only)"
+        )
+    enabled = item.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"{key}.enabled: expected true or false, got {enabled!r}")
+    return IommufdConfig(
+        enabled=enabled,
+        resource_name=validate_resource_name(
+            _string(item.get("resourceName", defaults.resource_name), f"{key}.resourceName"),
+            f"{key}.resourceName",
+        ),
+        slots=int(_number(item.get("slots", defaults.slots), f"{key}.slots", low=1, integer=True)),
+        socket_dir=Path(
+            _string(item.get("socketDir", str(defaults.socket_dir)), f"{key}.socketDir")
+        ),
+        socket_uid=int(
+            _number(
+                owner.get("uid", defaults.socket_uid), f"{key}.socketOwner.uid", low=0, integer=True
+            )
+        ),
+        socket_gid=int(
+            _number(
+                owner.get("gid", defaults.socket_gid), f"{key}.socketOwner.gid", low=0, integer=True
+            )
+        ),
+        socket_mode=mode,
+        handoff_timeout_seconds=_number(
+            item.get("handoffTimeoutSeconds", defaults.handoff_timeout_seconds),
+            f"{key}.handoffTimeoutSeconds",
+            low=1,
+        ),
+    )
+
+
+def _mapping(value: object, key: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping, got {_kind(value)}")
+    return value
+
+
+def _list(value: object, key: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: expected a list, got {_kind(value)}")
+    return value
+
+
+def _string(value: object, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a non-empty string, got {_kind(value)}")
+    return value
+
+
+def _number(value: object, key: str, *, low: float, integer: bool = False) -> float:
+    kind = "an integer" if integer else "a number"
+    problem = ConfigError(f"{key}: expected {kind} of at least {low:g}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise problem
+    if (integer and not isinstance(value, int)) or value < low:
+        raise problem
+    return float(value)
+
+
+def _known_keys(item: Mapping[str, Any], key: str, allowed: set[str]) -> None:
+    for name in item:
+        if name not in allowed:
+            where = f"{key}.{name}" if key else str(name)
+            raise ConfigError(f"{where}: unknown key; expected one of {', '.join(sorted(allowed))}")
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "nothing"
+    return f"{type(value).__name__} {value!r}"[:80]

@@ -1,0 +1,171 @@
+"""The device tree: which devices each resource advertises, their health and what Allocate hands
+out for them. A pure function of the host inventory, the configuration and the previous tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from deviceplugin.config import ANY_VFIO_DRIVER, DeviceMode, PluginConfig, ResourceConfig, Selectors
+from deviceplugin.naming import nvidia_resource_name, pci_resource_env
+from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
+from hostdev.bdf import Bdf
+from hostdev.model import HostInventory, PciFunction, is_vfio_driver
+from hostdev.pciids import PciIds
+
+IOMMU_NODE = "/dev/iommu"
+VFIO_CONTAINER_NODE = "/dev/vfio/vfio"
+
+
+@dataclass(frozen=True, slots=True)
+class VfioDevice:
+    """One advertised device: a PCI function, with everything Allocate needs precomputed."""
+
+    bdf: Bdf
+    healthy: bool
+    reason: str
+    """Why it is unhealthy; empty when healthy."""
+    driver: str | None
+    numa_node: int | None
+    switch: tuple[Bdf, ...]
+    """Bridges above the device's own parent: equal for devices under one PCIe switch."""
+    device_nodes: tuple[str, ...]
+    """Nodes Allocate hands out: the cdevs and group node(s) of the whole IOMMU group and the
+    shared /dev/iommu or /dev/vfio/vfio, as the device mode asks and as they exist."""
+
+    @property
+    def id(self) -> str:
+        return str(self.bdf)
+
+
+@dataclass(frozen=True, slots=True)
+class VfioResource:
+    name: str
+    devices: Mapping[str, VfioDevice]
+    """By device id (the BDF), in address order."""
+
+    @property
+    def env_name(self) -> str:
+        return pci_resource_env(self.name)
+
+    @property
+    def healthy_count(self) -> int:
+        return sum(1 for d in self.devices.values() if d.healthy)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTree:
+    resources: Mapping[str, VfioResource] = field(default_factory=dict)
+    iommufd_healthy: bool = False
+
+    def members(self) -> dict[Bdf, str]:
+        """Resource name of every advertised function."""
+        return {d.bdf: r.name for r in self.resources.values() for d in r.devices.values()}
+
+
+def build_device_tree(
+    inventory: HostInventory,
+    config: PluginConfig,
+    names: PciIds,
+    previous: DeviceTree | None = None,
+) -> DeviceTree:
+    """Assign functions to resources and judge their health.
+
+    A function joins the first resource whose selectors it matches. Once in, it stays while it
+    is present and its ids still match, even when the `drivers` selector no longer does: a
+    device unbound from vfio-pci turns Unhealthy instead of vanishing from the kubelet's
+    capacity under a running VM.
+    """
+    before = previous.members() if previous else {}
+    grouped: dict[str, list[VfioDevice]] = {}
+    for function in inventory.functions:
+        resource = _resource_for(function, config.resources, names, before.get(function.bdf))
+        if resource is not None:
+            device = _device(function, inventory, config.device_mode)
+            grouped.setdefault(resource, []).append(device)
+    resources = {
+        name: VfioResource(name, MappingProxyType({d.id: d for d in devices}))
+        for name, devices in sorted(grouped.items())
+    }
+    return DeviceTree(
+        resources=MappingProxyType(resources),
+        iommufd_healthy=inventory.capabilities.iommufd_node_present,
+    )
+
+
+def _resource_for(
+    function: PciFunction,
+    resources: tuple[ResourceConfig, ...],
+    names: PciIds,
+    previous_resource: str | None,
+) -> str | None:
+    for resource in resources:
+        if not _matches_identity(function, resource.selectors):
+            continue
+        name = _resource_name(function, resource, names)
+        if name == previous_resource or _matches_driver(function, resource.selectors):
+            return name
+    return None
+
+
+def _resource_name(function: PciFunction, resource: ResourceConfig, names: PciIds) -> str:
+    if resource.resource_name is not None:
+        return resource.resource_name
+    pci_name = names.device_name(function.vendor_id, function.device_id)
+    return nvidia_resource_name(pci_name, function.device_id)
+
+
+def _matches_identity(function: PciFunction, selectors: Selectors) -> bool:
+    if function.is_bridge:
+        return False
+    if selectors.vendors and function.vendor_id not in selectors.vendors:
+        return False
+    if selectors.devices and function.device_id not in selectors.devices:
+        return False
+    if selectors.pci_addresses and function.bdf not in selectors.pci_addresses:
+        return False
+    class_hex = f"{function.class_code:06x}"
+    return not selectors.classes or any(class_hex.startswith(c) for c in selectors.classes)
+
+
+def _matches_driver(function: PciFunction, selectors: Selectors) -> bool:
+    if not selectors.drivers:
+        return True
+    return any(
+        (wanted == ANY_VFIO_DRIVER and is_vfio_driver(function.driver)) or wanted == function.driver
+        for wanted in selectors.drivers
+    )
+
+
+def _device(function: PciFunction, inventory: HostInventory, mode: DeviceMode) -> VfioDevice:
+    caps = inventory.capabilities
+    group = inventory.group_of(function)
+    problems = list(blockers(function, group, caps))
+    if not problems and group is not None:
+        no_iommufd = iommufd_gaps(function, caps)
+        no_legacy = legacy_gaps(group, caps)
+        if mode is DeviceMode.IOMMUFD:
+            problems.extend(no_iommufd)
+        elif mode is DeviceMode.LEGACY:
+            problems.extend(no_legacy)
+        elif no_iommufd and no_legacy:
+            problems.extend(no_iommufd + no_legacy)
+    nodes: list[str] = []
+    if group is not None and not problems:
+        members = [inventory.function(m.bdf) for m in group.members if m.bdf is not None]
+        if mode is not DeviceMode.LEGACY and not iommufd_gaps(function, caps):
+            nodes.extend(m.cdev_path for m in members if m and m.cdev_path and m.vfio_cdev_present)
+            nodes.append(IOMMU_NODE)
+        if mode is not DeviceMode.IOMMUFD and not legacy_gaps(group, caps):
+            nodes.extend((VFIO_CONTAINER_NODE, group.legacy_node))
+    return VfioDevice(
+        bdf=function.bdf,
+        healthy=not problems,
+        reason="; ".join(problems),
+        driver=function.driver,
+        numa_node=function.numa_node,
+        switch=function.upstream[:-1],
+        device_nodes=tuple(nodes),
+    )
