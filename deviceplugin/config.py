@@ -114,16 +114,24 @@ def load_config(path: Path) -> PluginConfig:
         raise ConfigError(f"cannot read config {path}: {error.strerror or error}") from error
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise ConfigError(f"config {path} is not valid {_format(path)}: {error}") from error
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"config {path} is not valid JSON at line {error.lineno}, column {error.colno}:"
+            f" {error.msg}"
+        ) from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config {path} is not valid YAML{_yaml_problem(error)}") from error
     try:
         return parse_config({} if data is None else data)
     except ConfigError as error:
         raise ConfigError(f"config {path}: {error}") from error
 
 
-def _format(path: Path) -> str:
-    return "JSON" if path.suffix == ".json" else "YAML"
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{where}: {problem}"
 
 
 def parse_config(data: object) -> PluginConfig:

@@ -73,12 +73,19 @@ def refresh_host(
     For event-driven updates: a bind, an unbind or a node coming and going touches a few
     functions, and reading a 4,096-function host again for each would be too slow to react.
     Which /dev nodes exist (cdevs, group nodes, /dev/iommu) is re-checked for every function,
-    since that costs two directory listings.
+    since that costs two directory listings. Functions caught half-way through a bind are read
+    again too, so a burst of events read at any point converges on the final state.
     """
     base = Path(root)
     if not base.is_dir():
         raise RootNotFound(str(root))
-    changed = set(changed)
+    # A function on a VFIO driver without its vfio-dev entry was read mid-bind (the entry and
+    # the driver link appear one after the other): read it again with the rest.
+    changed = set(changed) | {
+        f.bdf
+        for f in previous.functions
+        if is_vfio_driver(f.driver) and f.vfio_cdev is None and not f.vfio_sysfs_without_cdev
+    }
     consumers = _read_pci_consumers(base)
     cdev_nodes = _listdir_or_empty(base / "dev/vfio/devices")
     devices_dir = str(base / PCI_DEVICES)

@@ -204,9 +204,9 @@ class _Builder:
 
 
 def unbind_driver(root: Path, bdf: str) -> None:
-    """What `echo BDF > driver/unbind` does: the driver links go; leaving a VFIO driver also
-    takes the device's vfio-dev entry and cdev node, and the group node once no member of the
-    group is left on VFIO."""
+    """What `echo BDF > driver/unbind` does, in the kernel's order: the driver links go first;
+    then a VFIO driver's remove takes the device's vfio-dev entry and cdev node, and the group
+    node once no member of the group is left on VFIO."""
     device = (root / "sys/bus/pci/devices" / bdf).resolve()
     driver_link = device / "driver"
     driver = driver_link.readlink().name
@@ -227,26 +227,26 @@ def unbind_driver(root: Path, bdf: str) -> None:
 
 
 def bind_driver(root: Path, bdf: str, driver: str, *, cdev: bool = True) -> None:
-    """What a successful bind does: the driver links appear; a VFIO driver adds a vfio-dev entry
-    with the lowest free vfioN, its cdev node when `cdev`, and the group node."""
+    """What a successful bind does, in the kernel's order: a VFIO driver's probe first adds the
+    vfio-dev entry (lowest free vfioN), its cdev node when `cdev`, and the group node; then the
+    driver links appear."""
     device = (root / "sys/bus/pci/devices" / bdf).resolve()
+    group = _group_of(device)
+    if is_vfio_driver(driver) and group is not None:
+        taken = {e.name for e in (root / "sys/bus/pci/devices").glob("*/vfio-dev/vfio*")}
+        index = next(i for i in range(len(taken) + 1) if f"vfio{i}" not in taken)
+        entry = device / "vfio-dev" / f"vfio{index}"
+        entry.mkdir(parents=True)
+        if cdev:
+            (entry / "dev").write_text(f"{VFIO_CDEV_MAJOR}:{index}\n")
+            (root / "dev/vfio/devices").mkdir(parents=True, exist_ok=True)
+            (root / "dev/vfio/devices" / entry.name).touch()
+        (root / "dev/vfio").mkdir(exist_ok=True)
+        (root / "dev/vfio" / group).touch()
     driver_dir = root / "sys/bus/pci/drivers" / driver
     driver_dir.mkdir(parents=True, exist_ok=True)
     _Builder._link(device / "driver", driver_dir)
     _Builder._link(driver_dir / bdf, device)
-    group = _group_of(device)
-    if not is_vfio_driver(driver) or group is None:
-        return
-    taken = {e.name for e in (root / "sys/bus/pci/devices").glob("*/vfio-dev/vfio*")}
-    index = next(i for i in range(len(taken) + 1) if f"vfio{i}" not in taken)
-    entry = device / "vfio-dev" / f"vfio{index}"
-    entry.mkdir(parents=True)
-    if cdev:
-        (entry / "dev").write_text(f"{VFIO_CDEV_MAJOR}:{index}\n")
-        (root / "dev/vfio/devices").mkdir(parents=True, exist_ok=True)
-        (root / "dev/vfio/devices" / entry.name).touch()
-    (root / "dev/vfio").mkdir(exist_ok=True)
-    (root / "dev/vfio" / group).touch()
 
 
 def _group_of(device: Path) -> str | None:

@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from deviceplugin import command as plugin_command
 from hostdev.errors import HostdevError
 from kubevirt_iommufd import inspect_command
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     inspect_command.add_parser(commands)
+    plugin_command.add_parser(commands)
     return parser
 
 

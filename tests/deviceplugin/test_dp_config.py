@@ -119,7 +119,7 @@ def test_default_is_nvidia_gpus_and_nvswitches_on_vfio() -> None:
         ),
         (
             {"resources": [{"resourceName": "a.com/b", "selectors": {"vendors": ["nvidia"]}}]},
-            "resources[0].selectors.vendors[0]: expected 4 hex digits such as \"10de\","
+            'resources[0].selectors.vendors[0]: expected 4 hex digits such as "10de",'
             " got 'nvidia'",
         ),
         (

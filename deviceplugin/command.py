@@ -1,0 +1,120 @@
+"""`kubevirt-iommufd plugin`: the device plugin daemon."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from deviceplugin.config import ConfigError, PluginConfig, default_config, load_config
+from deviceplugin.iommufd_handoff import HandoffConfig, HandoffError, IommufdHandoff
+from deviceplugin.manager import PluginManager
+from deviceplugin.metrics import PluginMetrics
+from hostdev.pciids import PciIds
+
+DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
+log = logging.getLogger("deviceplugin")
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    plugin = commands.add_parser(
+        "plugin",
+        help="run the kubelet device plugin (VFIO resources and devices.kubevirt.io/iommufd)",
+        description=(
+            "Advertise VFIO PCI devices to the kubelet (one resource per device type, device"
+            " ID = PCI address) with their cdevs and group nodes, and the"
+            " devices.kubevirt.io/iommufd resource that hands launchers a prepared iommufd fd."
+            " Runs until SIGTERM or SIGINT, then removes its sockets and exits 0."
+        ),
+    )
+    plugin.add_argument("--config", type=Path, metavar="FILE", help="YAML or JSON config")
+    plugin.add_argument(
+        "--root", type=Path, default=Path("/"), metavar="DIR", help="host root (default: /)"
+    )
+    plugin.add_argument(
+        "--kubelet-dir",
+        type=Path,
+        default=DEFAULT_KUBELET_DIR,
+        metavar="DIR",
+        help=f"the kubelet's device plugin directory (default: {DEFAULT_KUBELET_DIR})",
+    )
+    plugin.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (default: off)",
+    )
+    plugin.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    plugin.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = load_config(args.config) if args.config else default_config()
+    except ConfigError as error:
+        print(f"kubevirt-iommufd plugin: {error}", file=sys.stderr)
+        return 2
+    if not args.root.is_dir():
+        print(f"kubevirt-iommufd plugin: --root {args.root} is not a directory", file=sys.stderr)
+        return 2
+    metrics = PluginMetrics()
+    handoff = _handoff(config, args.root) if config.iommufd.enabled else None
+    if handoff is not None:
+        metrics.watch_handoffs(handoff.stats)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    names = PciIds(config.pci_ids) if config.pci_ids else PciIds.find()
+    manager = PluginManager(
+        config,
+        args.root,
+        args.kubelet_dir,
+        names,
+        metrics,
+        handoff,
+        watch_udev=args.root == Path("/"),
+    )
+
+    def on_signal(number: int, frame: FrameType | None) -> None:
+        log.info("stopping signal=%s", signal.Signals(number).name)
+        manager.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        manager.start()
+        manager.run()
+    finally:
+        if handoff is not None:
+            handoff.close()
+    log.info("stopped")
+    return 0
+
+
+def _handoff(config: PluginConfig, root: Path) -> IommufdHandoff:
+    iommufd = config.iommufd
+    try:
+        return IommufdHandoff(
+            HandoffConfig(
+                socket_dir=iommufd.socket_dir,
+                root=root,
+                owner_uid=iommufd.socket_uid,
+                owner_gid=iommufd.socket_gid,
+                mode=iommufd.socket_mode,
+                expiry_seconds=iommufd.handoff_timeout_seconds,
+            )
+        )
+    except (HandoffError, OSError) as error:
+        raise SystemExit(
+            f"kubevirt-iommufd plugin: cannot set up the iommufd hand-off: {error}"
+        ) from error

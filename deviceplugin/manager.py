@@ -1,0 +1,333 @@
+"""The plugin's life: keep the inventory current, one server per resource, registered with
+whichever kubelet is running.
+
+One thread owns all state and handles events in batches from a queue: watch events (device
+changes, a restarted kubelet, a removed socket), the periodic re-scan and registration retries.
+gRPC threads only read what the servicers hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deviceplugin.config import PluginConfig
+from deviceplugin.inventory import DeviceTree, VfioResource, build_device_tree
+from deviceplugin.metrics import PluginMetrics
+from deviceplugin.registration import (
+    KUBELET_SOCKET,
+    PluginServer,
+    RegistrationError,
+    register_with_kubelet,
+    remove_stale_sockets,
+    socket_name,
+)
+from deviceplugin.servicer import Handoff, IommufdServicer, VfioServicer
+from deviceplugin.watch import (
+    DevicesChanged,
+    FilesystemWatch,
+    KubeletStarted,
+    SocketRemoved,
+    UdevWatch,
+    WatchEvent,
+)
+from hostdev.bdf import Bdf
+from hostdev.model import HostInventory
+from hostdev.pciids import PciIds
+from hostdev.scan import refresh_host, scan_host
+
+log = logging.getLogger(__name__)
+
+_RETRY_FIRST = 0.5
+_RETRY_MAX = 30.0
+
+
+@dataclass
+class _Batch:
+    bdfs: set[Bdf] = field(default_factory=set)
+    reasons: list[str] = field(default_factory=list)
+    refresh: bool = False
+    rescan: bool = False
+    kubelet_started: bool = False
+    removed_sockets: set[str] = field(default_factory=set)
+    stop: bool = False
+
+
+class _Stop:
+    """Queued by `stop()` to end `run()`."""
+
+
+class PluginManager:
+    def __init__(
+        self,
+        config: PluginConfig,
+        root: Path,
+        kubelet_dir: Path,
+        names: PciIds,
+        metrics: PluginMetrics,
+        handoff: Handoff | None = None,
+        *,
+        watch_udev: bool = False,
+    ) -> None:
+        self._config = config
+        self._root = root
+        self._kubelet_dir = kubelet_dir
+        self._names = names
+        self._metrics = metrics
+        self._handoff = handoff
+        self._events: queue.Queue[WatchEvent | _Stop] = queue.Queue()
+        self._watches: list[FilesystemWatch | UdevWatch] = [
+            FilesystemWatch(root, kubelet_dir, self._events.put)
+        ]
+        if watch_udev:
+            self._watches.append(UdevWatch(self._events.put))
+        self._inventory: HostInventory | None = None
+        self._tree = DeviceTree()
+        self._vfio: dict[str, VfioServicer] = {}
+        self._iommufd: IommufdServicer | None = None
+        self._servers: dict[str, PluginServer] = {}
+        self._unregistered: set[str] = set()
+        self._retry_delay = _RETRY_FIRST
+        self._retry_at: float | None = None
+        self._running = threading.Event()
+        self._finished = threading.Event()
+        self.ready = threading.Event()
+        """Set once every server is up and the first registration attempt is over."""
+
+    @property
+    def tree(self) -> DeviceTree:
+        return self._tree
+
+    def start(self) -> None:
+        """Scan, serve every resource, try to register, start watching."""
+        self._kubelet_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_sockets(self._kubelet_dir)
+        for watch in self._watches:
+            watch.start()
+        self._inventory = scan_host(self._root)
+        self._apply(build_device_tree(self._inventory, self._config, self._names), "start")
+        if self._config.iommufd.enabled and self._handoff is not None:
+            iommufd = self._config.iommufd
+            self._iommufd = IommufdServicer(
+                iommufd.resource_name,
+                iommufd.slots,
+                self._tree.iommufd_healthy,
+                self._handoff,
+                self._metrics.allocation,
+            )
+            self._serve(iommufd.resource_name, self._iommufd)
+            self._count_iommufd()
+        self._register_pending()
+        self.ready.set()
+
+    def run(self) -> None:
+        """Handle events until `stop()`, then tear down."""
+        self._running.set()
+        try:
+            self._loop()
+        finally:
+            self._teardown()
+            self._finished.set()
+
+    def request_stop(self) -> None:
+        """Ask `run()` to end; returns at once (for signal handlers)."""
+        self._events.put(_Stop())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and watching and remove our sockets (SIGTERM); safe from any thread."""
+        if self._running.is_set():
+            self._events.put(_Stop())
+            self._finished.wait(timeout)
+        else:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        for watch in self._watches:
+            watch.stop()
+        for resource, server in list(self._servers.items()):
+            server.stop(grace=0.1)
+            self._close_servicer(resource)
+        self._servers.clear()
+
+    def _loop(self) -> None:
+        next_rescan = time.monotonic() + self._config.rescan_interval_seconds
+        while True:
+            now = time.monotonic()
+            deadline = min(next_rescan, self._retry_at or next_rescan)
+            batch = self._collect(max(0.0, deadline - now))
+            if batch.stop:
+                return
+            if time.monotonic() >= next_rescan:
+                batch.rescan = True
+                batch.reasons.append("periodic re-scan")
+                next_rescan = time.monotonic() + self._config.rescan_interval_seconds
+            if batch.refresh or batch.rescan:
+                self._refresh(batch)
+            if batch.kubelet_started:
+                log.info("kubelet restarted; serving anew and re-registering")
+                self._restart_servers(set(self._servers))
+            elif batch.removed_sockets:
+                mine = {
+                    r
+                    for r, s in self._servers.items()
+                    if s.socket_path.name in batch.removed_sockets
+                }
+                if mine:
+                    self._restart_servers(mine)
+            if self._unregistered and (
+                batch.kubelet_started
+                or (self._retry_at is not None and time.monotonic() >= self._retry_at)
+            ):
+                self._register_pending()
+
+    def _collect(self, timeout: float) -> _Batch:
+        batch = _Batch()
+        try:
+            first = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return batch
+        pending: list[WatchEvent | _Stop] = [first]
+        while True:
+            try:
+                pending.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        for event in pending:
+            if isinstance(event, _Stop):
+                batch.stop = True
+            elif isinstance(event, KubeletStarted):
+                batch.kubelet_started = True
+            elif isinstance(event, SocketRemoved):
+                batch.removed_sockets.add(event.name)
+            elif isinstance(event, DevicesChanged):
+                batch.refresh = True
+                batch.rescan |= event.rescan
+                batch.bdfs |= event.bdfs
+                batch.reasons.append(event.reason)
+        return batch
+
+    def _refresh(self, batch: _Batch) -> None:
+        cause = "; ".join(dict.fromkeys(batch.reasons)) or "change"
+        if batch.rescan or self._inventory is None:
+            self._inventory = scan_host(self._root)
+        else:
+            self._inventory = refresh_host(self._root, self._inventory, batch.bdfs)
+        tree = build_device_tree(self._inventory, self._config, self._names, self._tree)
+        self._apply(tree, cause)
+
+    def _apply(self, tree: DeviceTree, cause: str) -> None:
+        """Publish what changed: new resources get a server, changed ones a new snapshot,
+        vanished ones are stopped."""
+        previous = self._tree
+        self._tree = tree
+        for name, resource in tree.resources.items():
+            old = previous.resources.get(name)
+            if old == resource:
+                continue
+            _log_health_changes(old, resource, cause)
+            servicer = self._vfio.get(name)
+            if servicer is None:
+                servicer = VfioServicer(resource, self._metrics.allocation)
+                self._vfio[name] = servicer
+                self._serve(name, servicer)
+            else:
+                servicer.update(resource)
+            self._metrics.set_devices(
+                name, resource.healthy_count, len(resource.devices) - resource.healthy_count
+            )
+        for name in set(previous.resources) - set(tree.resources):
+            log.info("resource gone resource=%s cause=%r", name, cause)
+            server = self._servers.pop(name, None)
+            if server is not None:
+                server.stop()
+            self._close_servicer(name)
+            self._unregistered.discard(name)
+            self._metrics.forget_resource(name)
+        if self._iommufd is not None and self._iommufd.healthy != tree.iommufd_healthy:
+            state = "healthy" if tree.iommufd_healthy else "unhealthy"
+            log.info("resource %s resource=%s cause=%r", state, self._iommufd.resource_name, cause)
+            self._iommufd.update(tree.iommufd_healthy)
+            self._count_iommufd()
+
+    def _count_iommufd(self) -> None:
+        if self._iommufd is not None:
+            slots = self._config.iommufd.slots
+            healthy = slots if self._iommufd.healthy else 0
+            self._metrics.set_devices(self._iommufd.resource_name, healthy, slots - healthy)
+
+    def _serve(self, resource: str, servicer: VfioServicer | IommufdServicer) -> None:
+        server = PluginServer(self._kubelet_dir / socket_name(resource), servicer)
+        server.start()
+        self._servers[resource] = server
+        self._unregistered.add(resource)
+        if self.ready.is_set():
+            self._register_pending()
+
+    def _restart_servers(self, resources: set[str]) -> None:
+        for resource in sorted(resources):
+            server = self._servers[resource]
+            server.stop(grace=0)
+            server.start()
+            self._unregistered.add(resource)
+        self._retry_delay = _RETRY_FIRST
+        self._register_pending()
+
+    def _register_pending(self) -> None:
+        kubelet_socket = self._kubelet_dir / KUBELET_SOCKET
+        if not kubelet_socket.exists():
+            log.info("waiting for the kubelet socket=%s", kubelet_socket)
+            self._retry_at = None  # its creation is an inotify event
+            return
+        for resource in sorted(self._unregistered):
+            server = self._servers[resource]
+            try:
+                register_with_kubelet(
+                    self._kubelet_dir, resource, server.socket_path.name, server.servicer.options
+                )
+            except RegistrationError as error:
+                log.warning("registration failed resource=%s error=%r", resource, str(error))
+                self._metrics.registration(resource, "failed")
+                continue
+            log.info("registered resource=%s endpoint=%s", resource, server.socket_path.name)
+            self._metrics.registration(resource, "ok")
+            self._unregistered.discard(resource)
+        if self._unregistered:
+            self._retry_at = time.monotonic() + self._retry_delay
+            self._retry_delay = min(self._retry_delay * 2, _RETRY_MAX)
+        else:
+            self._retry_at = None
+            self._retry_delay = _RETRY_FIRST
+
+    def _close_servicer(self, resource: str) -> None:
+        servicer = self._vfio.pop(resource, None)
+        if servicer is not None:
+            servicer.close()
+        if self._iommufd is not None and resource == self._iommufd.resource_name:
+            self._iommufd.close()
+
+
+def _log_health_changes(old: VfioResource | None, new: VfioResource, cause: str) -> None:
+    before = {} if old is None else dict(old.devices)
+    for device_id, device in new.devices.items():
+        previous = before.pop(device_id, None)
+        if previous is None:
+            state = "healthy" if device.healthy else f"unhealthy reason={device.reason!r}"
+            log.info(
+                "device added resource=%s device=%s %s cause=%r", new.name, device_id, state, cause
+            )
+        elif previous.healthy and not device.healthy:
+            log.warning(
+                "device unhealthy resource=%s device=%s reason=%r cause=%r",
+                new.name,
+                device_id,
+                device.reason,
+                cause,
+            )
+        elif device.healthy and not previous.healthy:
+            log.info("device healthy resource=%s device=%s cause=%r", new.name, device_id, cause)
+    for device_id in before:
+        log.info("device removed resource=%s device=%s cause=%r", new.name, device_id, cause)

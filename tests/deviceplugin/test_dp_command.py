@@ -1,0 +1,94 @@
+"""`kubevirt-iommufd plugin` as a process: starts, registers, stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import BuildHost
+from hostdev.simhost import hgx_h100
+from kubelet_standin import KubeletStandIn
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kc-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def plugin(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kubevirt_iommufd", "plugin", *args]
+
+
+def test_runs_registers_and_stops_on_sigterm(
+    build_host: BuildHost, short_dir: Path, tmp_path: Path
+) -> None:
+    root = build_host(hgx_h100())
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"iommufd:\n  socketDir: {short_dir / 'fds'}\n  socketOwner: {{uid: 0, gid: 0}}\n"
+    )
+    kubelet = KubeletStandIn(short_dir / "kubelet")
+    kubelet.start()
+    process = subprocess.Popen(
+        plugin(
+            "--root", str(root), "--kubelet-dir", str(kubelet.directory), "--config", str(config)
+        ),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        kubelet.wait_registered("devices.kubevirt.io/iommufd", timeout=15)
+        registration = kubelet.wait_registered("nvidia.com/GH100H100_SXM5_80GB", timeout=15)
+        assert len(registration.snapshots[-1][1]) == 8
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=15)
+    finally:
+        process.kill()
+        kubelet.stop()
+    assert process.returncode == 0, stderr
+    assert "registered resource=nvidia.com/GH100H100_SXM5_80GB" in stderr
+    assert "stopping signal=SIGTERM" in stderr
+    assert list(kubelet.directory.glob("kubevirt-iommufd-*")) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("deviceMode: fast\n", 'deviceMode: expected "both", "iommufd" or "legacy"'),
+        ("resources: [\n", "is not valid YAML"),
+    ],
+)
+def test_bad_config_exits_2_with_the_key(tmp_path: Path, config: str, message: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    done = subprocess.run(
+        plugin("--config", str(path), "--root", str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_missing_root_exits_2(tmp_path: Path) -> None:
+    done = subprocess.run(
+        plugin("--root", str(tmp_path / "nope")),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--root" in done.stderr and "is not a directory" in done.stderr

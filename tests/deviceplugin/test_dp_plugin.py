@@ -1,0 +1,305 @@
+"""The device plugin against the kubelet stand-in, over real gRPC on unix sockets."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import BuildHost
+from deviceplugin.config import DeviceMode, PluginConfig, default_config
+from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
+from deviceplugin.manager import PluginManager
+from deviceplugin.metrics import PluginMetrics
+from hostdev.pciids import PciIds
+from hostdev.simhost import SCENARIOS, bind_driver, unbind_driver
+from kubelet_standin import KubeletStandIn
+
+H100 = "nvidia.com/GH100H100_SXM5_80GB"
+IOMMUFD = "devices.kubevirt.io/iommufd"
+GPUS = [
+    "0000:18:00.0",
+    "0000:2a:00.0",
+    "0000:3a:00.0",
+    "0000:5d:00.0",
+    "0000:9a:00.0",
+    "0000:ab:00.0",
+    "0000:ba:00.0",
+    "0000:db:00.0",
+]
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # Unix socket paths hold at most 107 bytes; pytest's tmp_path can be longer.
+    path = Path(tempfile.mkdtemp(prefix="kp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Plugin:
+    root: Path
+    kubelet: KubeletStandIn
+    manager: PluginManager
+    handoff: IommufdHandoff
+    metrics: PluginMetrics
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.manager.stop()
+        self.thread.join(5)
+        self.handoff.close()
+
+
+@pytest.fixture
+def start_plugin(
+    build_host: BuildHost, short_dir: Path, tmp_path: Path
+) -> Iterator[Callable[..., Plugin]]:
+    started: list[Plugin] = []
+    names = tmp_path / "pci.ids"
+    names.write_text("10de  NVIDIA Corporation\n\t2330  GH100[H100 SXM5 80GB]\n")
+
+    def start(
+        scenario: str = "hgx-h100",
+        config: PluginConfig | None = None,
+        *,
+        kubelet_first: bool = True,
+    ) -> Plugin:
+        root = build_host(SCENARIOS[scenario]())
+        kubelet = KubeletStandIn(short_dir / "kubelet")
+        if kubelet_first:
+            kubelet.start()
+        metrics = PluginMetrics()
+        handoff = IommufdHandoff(
+            HandoffConfig(socket_dir=short_dir / "fds", root=root, owner_uid=0, owner_gid=0),
+            set_rlimit_mode=lambda fd: None,
+        )
+        metrics.watch_handoffs(handoff.stats)
+        manager = PluginManager(
+            config or default_config(),
+            root,
+            short_dir / "kubelet",
+            PciIds(names),
+            metrics,
+            handoff,
+        )
+        manager.start()
+        thread = threading.Thread(target=manager.run, daemon=True)
+        thread.start()
+        plugin = Plugin(root, kubelet, manager, handoff, metrics, thread)
+        started.append(plugin)
+        return plugin
+
+    yield start
+    for plugin in started:
+        plugin.stop()
+        plugin.kubelet.stop()
+
+
+def test_registers_both_resources_with_topology(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin()
+    h100 = plugin.kubelet.wait_registered(H100)
+    assert h100.request.endpoint == "kubevirt-iommufd-nvidia.com_GH100H100_SXM5_80GB.sock"
+    assert h100.request.version == "v1beta1"
+    assert h100.options.get_preferred_allocation_available
+    assert not h100.options.pre_start_required
+    assert h100.request.options == h100.options
+    assert plugin.kubelet.health(H100) == dict.fromkeys(GPUS, "Healthy")
+    assert h100.topology == {gpu: [0] if i < 4 else [1] for i, gpu in enumerate(GPUS)}
+    iommufd = plugin.kubelet.wait_registered(IOMMUFD)
+    assert len(iommufd.snapshots[-1][1]) == 110
+    assert set(plugin.kubelet.health(IOMMUFD).values()) == {"Healthy"}
+
+
+def test_allocate_hands_out_cdevs_group_nodes_and_env(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin()
+    plugin.kubelet.wait_registered(H100)
+    response = plugin.kubelet.allocate(H100, ["0000:9a:00.0", "0000:18:00.0"], ["0000:2a:00.0"])
+    first, second = response.container_responses
+    assert [(d.host_path, d.container_path, d.permissions) for d in first.devices] == [
+        ("/dev/vfio/devices/vfio4", "/dev/vfio/devices/vfio4", "mrw"),
+        ("/dev/iommu", "/dev/iommu", "mrw"),
+        ("/dev/vfio/vfio", "/dev/vfio/vfio", "mrw"),
+        ("/dev/vfio/25", "/dev/vfio/25", "mrw"),
+        ("/dev/vfio/devices/vfio0", "/dev/vfio/devices/vfio0", "mrw"),
+        ("/dev/vfio/13", "/dev/vfio/13", "mrw"),
+    ]
+    assert dict(first.envs) == {
+        "PCI_RESOURCE_NVIDIA_COM_GH100H100_SXM5_80GB": "0000:9a:00.0,0000:18:00.0"
+    }
+    assert dict(second.envs) == {"PCI_RESOURCE_NVIDIA_COM_GH100H100_SXM5_80GB": "0000:2a:00.0"}
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (["0000:01:00.0"], "unknown device 0000:01:00.0"),
+        ([], "the request names no device"),
+    ],
+)
+def test_allocate_refusals_are_grpc_errors(
+    start_plugin: Callable[..., Plugin], ids: list[str], message: str
+) -> None:
+    plugin = start_plugin()
+    plugin.kubelet.wait_registered(H100)
+    with pytest.raises(grpc.RpcError) as caught:
+        plugin.kubelet.allocate(H100, ids)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert message in str(caught.value.details())
+
+
+def test_preferred_allocation_over_grpc(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin()
+    plugin.kubelet.wait_registered(H100)
+    assert plugin.kubelet.preferred(H100, GPUS, ["0000:ab:00.0"], 2) == [
+        "0000:ab:00.0",
+        "0000:9a:00.0",
+    ]
+    with pytest.raises(grpc.RpcError):
+        plugin.kubelet.preferred(H100, GPUS, GPUS[:3], 2)
+
+
+def test_unbind_turns_unhealthy_and_rebind_healthy(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin()
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(H100)
+    unbind_driver(plugin.root, "0000:3a:00.0")
+    kubelet.wait_for(lambda: kubelet.health(H100).get("0000:3a:00.0") == "Unhealthy", 2)
+    assert sum(h == "Healthy" for h in kubelet.health(H100).values()) == 7
+    with pytest.raises(grpc.RpcError) as caught:
+        kubelet.allocate(H100, ["0000:3a:00.0"])
+    assert "is unhealthy: bound to no driver" in str(caught.value.details())
+    bind_driver(plugin.root, "0000:3a:00.0", "vfio-pci")
+    kubelet.wait_for(lambda: kubelet.health(H100).get("0000:3a:00.0") == "Healthy", 2)
+    response = kubelet.allocate(H100, ["0000:3a:00.0"])
+    assert "/dev/vfio/devices/vfio2" in [
+        d.host_path for d in response.container_responses[0].devices
+    ]
+
+
+def test_cdev_node_removed_and_restored_in_iommufd_mode(
+    start_plugin: Callable[..., Plugin],
+) -> None:
+    plugin = start_plugin(config=replace(default_config(), device_mode=DeviceMode.IOMMUFD))
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(H100)
+    node = plugin.root / "dev/vfio/devices/vfio5"
+    node.unlink()
+    kubelet.wait_for(lambda: kubelet.health(H100).get("0000:ab:00.0") == "Unhealthy", 2)
+    node.touch()
+    kubelet.wait_for(lambda: kubelet.health(H100).get("0000:ab:00.0") == "Healthy", 2)
+
+
+def test_dev_iommu_removed_and_restored(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin()
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(IOMMUFD)
+    node = plugin.root / "dev/iommu"
+    node.unlink()
+    kubelet.wait_for(lambda: set(kubelet.health(IOMMUFD).values()) == {"Unhealthy"}, 2)
+    # Legacy VFIO still works, so the GPUs stay usable in the default mode.
+    assert set(kubelet.health(H100).values()) == {"Healthy"}
+    node.touch()
+    kubelet.wait_for(lambda: set(kubelet.health(IOMMUFD).values()) == {"Healthy"}, 2)
+
+
+def test_kubelet_restart_means_reregistration(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin()
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(H100)
+    kubelet.wait_registered(IOMMUFD)
+    kubelet.restart()
+    again = kubelet.wait_registered(H100, count=2, timeout=2)
+    kubelet.wait_registered(IOMMUFD, count=2, timeout=2)
+    assert kubelet.health(H100) == dict.fromkeys(GPUS, "Healthy")
+    assert again.request.endpoint == "kubevirt-iommufd-nvidia.com_GH100H100_SXM5_80GB.sock"
+    assert kubelet.allocate(H100, ["0000:18:00.0"]).container_responses
+
+
+def test_plugin_started_before_its_kubelet(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin(kubelet_first=False)
+    assert plugin.manager.ready.wait(2)
+    plugin.kubelet.start()
+    plugin.kubelet.wait_registered(H100, timeout=2)
+    plugin.kubelet.wait_registered(IOMMUFD, timeout=2)
+
+
+def test_legacy_only_host(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin("legacy-only")
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(H100)
+    kubelet.wait_registered(IOMMUFD)
+    assert set(kubelet.health(IOMMUFD).values()) == {"Unhealthy"}
+    response = kubelet.allocate(H100, ["0000:18:00.0"])
+    assert [d.host_path for d in response.container_responses[0].devices] == [
+        "/dev/vfio/vfio",
+        "/dev/vfio/13",
+    ]
+    with pytest.raises(grpc.RpcError) as caught:
+        kubelet.allocate(IOMMUFD, ["iommufd-000"])
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_iommufd_allocation_hands_over_an_fd(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin()
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(IOMMUFD)
+    response = kubelet.allocate(IOMMUFD, ["iommufd-007"])
+    (container,) = response.container_responses
+    assert [(d.host_path, d.container_path, d.permissions) for d in container.devices] == [
+        ("/dev/iommu", "/dev/iommu", "mrw")
+    ]
+    (mount,) = container.mounts
+    assert mount.container_path == "/var/run/kubevirt/iommufd.sock"
+    assert not mount.read_only
+    host_socket = Path(mount.host_path)
+    assert host_socket.is_socket()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.connect(str(host_socket))
+        payload, fds, _, _ = socket.recv_fds(client, 1, 1)
+        assert len(payload) == 1 and len(fds) == 1
+        try:
+            received = Path(f"/proc/self/fd/{fds[0]}").stat()
+            assert received.st_ino == (plugin.root / "dev/iommu").stat().st_ino
+        finally:
+            for fd in fds:
+                __import__("os").close(fd)
+        client.sendall(b"\x00")
+    kubelet.wait_for(lambda: plugin.handoff.stats().served == 1, 2)
+    assert not host_socket.exists()
+
+
+def test_metrics_count_devices_and_allocations(start_plugin: Callable[..., Plugin]) -> None:
+    from prometheus_client import generate_latest
+
+    plugin = start_plugin("vga-audio")
+    plugin.kubelet.wait_registered(IOMMUFD)
+    plugin.kubelet.allocate(IOMMUFD, ["iommufd-000"])
+    text = generate_latest(plugin.metrics.registry).decode()
+    assert 'kubevirt_iommufd_devices{health="Unhealthy",resource="nvidia.com/2204"} 1.0' in text
+    assert (
+        'kubevirt_iommufd_allocations_total{resource="devices.kubevirt.io/iommufd",result="ok"} 1.0'
+        in text
+    )
+    assert (
+        'kubevirt_iommufd_registrations_total{resource="nvidia.com/2204",result="ok"} 1.0' in text
+    )
+    assert "kubevirt_iommufd_handoffs_pending 1.0" in text
+
+
+def test_stop_removes_every_socket(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin()
+    plugin.kubelet.wait_registered(H100)
+    directory = plugin.kubelet.directory
+    assert len(list(directory.glob("kubevirt-iommufd-*.sock"))) == 2
+    plugin.stop()
+    assert list(directory.glob("kubevirt-iommufd-*.sock")) == []
+    assert (directory / "kubelet.sock").exists()
