@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -202,6 +204,7 @@ def test_dev_iommu_removed_and_restored(start_plugin: Callable[..., Plugin]) -> 
     plugin = start_plugin()
     kubelet = plugin.kubelet
     kubelet.wait_registered(IOMMUFD)
+    kubelet.wait_registered(H100)
     node = plugin.root / "dev/iommu"
     node.unlink()
     kubelet.wait_for(lambda: set(kubelet.health(IOMMUFD).values()) == {"Unhealthy"}, 2)
@@ -271,9 +274,12 @@ def test_iommufd_allocation_hands_over_an_fd(start_plugin: Callable[..., Plugin]
             assert received.st_ino == (plugin.root / "dev/iommu").stat().st_ino
         finally:
             for fd in fds:
-                __import__("os").close(fd)
+                os.close(fd)
         client.sendall(b"\x00")
-    kubelet.wait_for(lambda: plugin.handoff.stats().served == 1, 2)
+    deadline = time.monotonic() + 2
+    while plugin.handoff.stats().served != 1:
+        assert time.monotonic() < deadline, "the hand-off never counted as served"
+        time.sleep(0.01)
     assert not host_socket.exists()
 
 
