@@ -12,7 +12,13 @@ from deviceplugin.config import ANY_VFIO_DRIVER, DeviceMode, PluginConfig, Resou
 from deviceplugin.naming import nvidia_resource_name, pci_resource_env
 from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
 from hostdev.bdf import Bdf
-from hostdev.model import HostInventory, PciFunction, is_vfio_driver
+from hostdev.model import (
+    HostCapabilities,
+    HostInventory,
+    IommuGroup,
+    PciFunction,
+    is_vfio_driver,
+)
 from hostdev.pciids import PciIds
 
 IOMMU_NODE = "/dev/iommu"
@@ -56,9 +62,24 @@ class VfioResource:
 
 
 @dataclass(frozen=True, slots=True)
+class _Source:
+    """What one function's entry was built from, to reuse it while none of that changes."""
+
+    function: PciFunction
+    group: IommuGroup | None
+    siblings: tuple[PciFunction | None, ...]
+    resource: str | None
+    device: VfioDevice | None
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceTree:
     resources: Mapping[str, VfioResource] = field(default_factory=dict)
     iommufd_healthy: bool = False
+    _sources: Mapping[Bdf, _Source] = field(default_factory=dict, compare=False, repr=False)
+    _basis: tuple[HostCapabilities, PluginConfig] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def members(self) -> dict[Bdf, str]:
         """Resource name of every advertised function."""
@@ -79,20 +100,47 @@ def build_device_tree(
     capacity under a running VM.
     """
     before = previous.members() if previous else {}
+    caps = inventory.capabilities
+    # A refresh keeps the objects of functions it did not read again, so an entry whose function,
+    # group and group siblings are the same objects as last time is still right: reuse it rather
+    # than judge 4,096 devices again for one event.
+    reusable = previous._sources if previous and previous._basis == (caps, config) else {}
+    sources: dict[Bdf, _Source] = {}
     grouped: dict[str, list[VfioDevice]] = {}
     for function in inventory.functions:
-        resource = _resource_for(function, config.resources, names, before.get(function.bdf))
-        if resource is not None:
-            device = _device(function, inventory, config.device_mode)
-            grouped.setdefault(resource, []).append(device)
+        group = inventory.group_of(function)
+        siblings = (
+            tuple(inventory.function(m.bdf) for m in group.members if m.bdf is not None)
+            if group is not None
+            else ()
+        )
+        source = reusable.get(function.bdf)
+        if not (
+            source is not None
+            and source.function is function
+            and source.group == group
+            and _same_objects(source.siblings, siblings)
+        ):
+            resource = _resource_for(function, config.resources, names, before.get(function.bdf))
+            device = _device(function, inventory, config.device_mode) if resource else None
+            source = _Source(function, group, siblings, resource, device)
+        sources[function.bdf] = source
+        if source.resource is not None and source.device is not None:
+            grouped.setdefault(source.resource, []).append(source.device)
     resources = {
         name: VfioResource(name, MappingProxyType({d.id: d for d in devices}))
         for name, devices in sorted(grouped.items())
     }
     return DeviceTree(
         resources=MappingProxyType(resources),
-        iommufd_healthy=inventory.capabilities.iommufd_node_present,
+        iommufd_healthy=caps.iommufd_node_present,
+        _sources=sources,
+        _basis=(caps, config),
     )
+
+
+def _same_objects(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _resource_for(

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _RETRY_FIRST = 0.5
 _RETRY_MAX = 30.0
+_SETTLE = 0.5
 
 
 @dataclass
@@ -93,6 +94,8 @@ class PluginManager:
         self._unregistered: set[str] = set()
         self._retry_delay = _RETRY_FIRST
         self._retry_at: float | None = None
+        self._lost: set[str] = set()
+        self._lost_check_at: float | None = None
         self._running = threading.Event()
         self._finished = threading.Event()
         self.ready = threading.Event()
@@ -157,7 +160,8 @@ class PluginManager:
         next_rescan = time.monotonic() + self._config.rescan_interval_seconds
         while True:
             now = time.monotonic()
-            deadline = min(next_rescan, self._retry_at or next_rescan)
+            deadlines = (next_rescan, self._retry_at, self._lost_check_at)
+            deadline = min(t for t in deadlines if t is not None)
             batch = self._collect(max(0.0, deadline - now))
             if batch.stop:
                 return
@@ -165,24 +169,41 @@ class PluginManager:
                 batch.rescan = True
                 batch.reasons.append("periodic re-scan")
                 next_rescan = time.monotonic() + self._config.rescan_interval_seconds
-            if batch.refresh or batch.rescan:
-                self._refresh(batch)
-            if batch.kubelet_started:
-                log.info("kubelet restarted; serving anew and re-registering")
-                self._restart_servers(set(self._servers))
-            elif batch.removed_sockets:
-                mine = {
-                    r
-                    for r, s in self._servers.items()
-                    if s.socket_path.name in batch.removed_sockets
-                }
-                if mine:
-                    self._restart_servers(mine)
-            if self._unregistered and (
-                batch.kubelet_started
-                or (self._retry_at is not None and time.monotonic() >= self._retry_at)
-            ):
-                self._register_pending()
+            try:
+                self._handle(batch)
+            except Exception:
+                # A bug or a host in a state we did not foresee must not take the node's
+                # devices away: log it, start over from a full scan and re-register.
+                log.exception("handling events failed; re-scanning and re-registering")
+                self._inventory = None
+                self._unregistered |= set(self._servers)
+                self._retry_at = time.monotonic() + _RETRY_FIRST
+
+    def _handle(self, batch: _Batch) -> None:
+        if batch.refresh or batch.rescan:
+            self._refresh(batch)
+        if batch.kubelet_started:
+            log.info("kubelet restarted; serving anew and re-registering")
+            self._lost.clear()
+            self._lost_check_at = None
+            self._restart_servers(set(self._servers))
+            return
+        removed = {
+            r for r, s in self._servers.items() if s.socket_path.name in batch.removed_sockets
+        }
+        if removed:
+            # A starting kubelet deletes every socket before it recreates its own: wait for that
+            # rather than serve anew into the middle of its clean-up.
+            self._lost |= removed
+            self._lost_check_at = time.monotonic() + _SETTLE
+        if self._lost_check_at is not None and time.monotonic() >= self._lost_check_at:
+            lost, self._lost = self._lost, set()
+            self._lost_check_at = None
+            if (self._kubelet_dir / KUBELET_SOCKET).exists():
+                log.info("sockets removed resources=%s; serving anew", ",".join(sorted(lost)))
+                self._restart_servers(lost)
+        if self._unregistered and self._retry_at is not None and time.monotonic() >= self._retry_at:
+            self._register_pending()
 
     def _collect(self, timeout: float) -> _Batch:
         batch = _Batch()
@@ -284,6 +305,9 @@ class PluginManager:
             return
         for resource in sorted(self._unregistered):
             server = self._servers[resource]
+            if not server.socket_present:
+                server.stop(grace=0)
+                server.start()
             try:
                 register_with_kubelet(
                     self._kubelet_dir, resource, server.socket_path.name, server.servicer.options

@@ -55,7 +55,12 @@ class PluginServer:
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._server = server
-        self._inode = self.socket_path.stat().st_ino
+        try:
+            self._inode = self.socket_path.stat().st_ino
+        except FileNotFoundError:
+            # Deleted as soon as made (a kubelet cleaning up): socket_present says so, and the
+            # manager serves anew before it registers.
+            self._inode = None
 
     def stop(self, grace: float | None = 0.2) -> None:
         server, self._server = self._server, None

@@ -105,14 +105,21 @@ def refresh_host(
     )
     touched = {f.iommu_group for f in previous.functions if f.bdf in changed}
     touched |= {f.iommu_group for f in fresh}
-    group_members = {
-        g.number: [m.name for m in g.members] for g in previous.groups if g.number not in touched
-    }
+    group_members: dict[int, list[str]] = {}
     for number in (n for n in touched if n is not None):
         names = sorted(_listdir_or_empty(base / IOMMU_GROUPS / str(number) / "devices"))
         if names:
             group_members[number] = names
-    groups = _build_groups(base, group_members, functions)
+    rebuilt = {g.number: g for g in _build_groups(base, group_members, functions)}
+    group_nodes = _listdir_or_empty(base / "dev/vfio")
+    # Groups no event touched keep their objects (consumers compare them by identity), unless
+    # their /dev/vfio node came or went.
+    for kept in previous.groups:
+        if kept.number not in touched:
+            present = str(kept.number) in group_nodes
+            same = present == kept.legacy_node_present
+            rebuilt[kept.number] = kept if same else replace(kept, legacy_node_present=present)
+    groups = tuple(rebuilt[number] for number in sorted(rebuilt))
     return HostInventory(tuple(functions), groups, _read_capabilities(base, functions, groups))
 
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from deviceplugin import command as plugin_command
 from hostdev.errors import HostdevError
 from kubevirt_iommufd import inspect_command
+from launcher_hook import command as hook_command
+from webhook import command as webhook_command
 
 PROG = "kubevirt-iommufd"
 
@@ -28,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     inspect_command.add_parser(commands)
     plugin_command.add_parser(commands)
+    webhook_command.add_parser(commands)
+    hook_command.add_parser(commands)
     return parser
 
 

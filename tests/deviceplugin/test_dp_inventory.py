@@ -19,7 +19,7 @@ from deviceplugin.config import (
 from deviceplugin.inventory import DeviceTree, build_device_tree
 from hostdev.bdf import Bdf
 from hostdev.pciids import PciIds
-from hostdev.scan import scan_host
+from hostdev.scan import refresh_host, scan_host
 from hostdev.simhost import bind_driver, unbind_driver
 
 ScenarioRoot = Callable[[str], Path]
@@ -212,3 +212,38 @@ def test_first_matching_resource_wins(scenario_root: ScenarioRoot, names: PciIds
 def test_unknown_device_id_is_named_by_its_hex_id(scenario_root: ScenarioRoot) -> None:
     result = tree(scenario_root("hgx-h100"), PciIds(None))
     assert list(result.resources) == ["nvidia.com/2330"]
+
+
+@pytest.mark.parametrize(
+    "change", ["unbind-gpu", "sibling-cdev-node", "group-node", "dev-iommu", "nothing"]
+)
+def test_tree_built_from_the_previous_one_equals_a_fresh_one(
+    scenario_root: ScenarioRoot, names: PciIds, change: str
+) -> None:
+    root = scenario_root("vga-audio")
+    unbind_driver(root, "0000:3b:00.1")
+    bind_driver(root, "0000:3b:00.1", "vfio-pci")
+    config = PluginConfig(
+        resources=(ResourceConfig(Selectors(vendors=(0x10DE,)), "example.com/gpu"),)
+    )
+    inventory = scan_host(root)
+    first = build_device_tree(inventory, config, names)
+    changed: list[Bdf] = []
+    if change == "unbind-gpu":
+        unbind_driver(root, "0000:3b:00.0")
+        changed = [Bdf.parse("0000:3b:00.0")]
+    elif change == "sibling-cdev-node":
+        (root / "dev/vfio/devices/vfio1").unlink()
+    elif change == "group-node":
+        (root / "dev/vfio/14").unlink()
+    elif change == "dev-iommu":
+        (root / "dev/iommu").unlink()
+    refreshed = refresh_host(root, inventory, changed)
+    incremental = build_device_tree(refreshed, config, names, first)
+    fresh = build_device_tree(refreshed, config, names, first if change == "unbind-gpu" else None)
+    assert incremental == fresh
+    if change == "sibling-cdev-node":
+        gpu = incremental.resources["example.com/gpu"].devices["0000:3b:00.0"]
+        assert "/dev/vfio/devices/vfio1" not in gpu.device_nodes
+    if change == "nothing":
+        assert incremental == first

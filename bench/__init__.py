@@ -1,0 +1,1 @@
+"""Benchmarks; each module runs on its own: python bench/<name>.py."""

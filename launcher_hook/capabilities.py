@@ -1,0 +1,111 @@
+"""Detection: what the node's kernel, each requested device and libvirt offer. All IO is here.
+
+Only the few entries the domain's PCI host devices need are read, at each OnDefineDomain: a full
+`hostdev.scan_host` costs ~140 ms on a 4,096-function node, and the devices' cdevs are what
+matters at the moment the domain is defined, not when the sidecar started. Paths are joined
+under `root` (`/` in a pod, a fixture tree in tests). The checks mirror `hostdev.scan`: a cdev is
+`sys/bus/pci/devices/<BDF>/vfio-dev/vfioN` with a `dev` file, and its `/dev/vfio/devices/vfioN`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from hostdev.bdf import Bdf
+from hostdev.model import is_vfio_driver
+from launcher_hook.model import Capabilities, DeviceSupport, LibvirtVersion, Sourced
+
+log = logging.getLogger(__name__)
+
+
+def read_capabilities(
+    root: Path, bdfs: Iterable[Bdf], libvirt: Sourced[LibvirtVersion] | None
+) -> Capabilities:
+    return Capabilities(
+        kernel_iommufd=read_kernel_iommufd(root),
+        devices={bdf: read_device_support(root, bdf) for bdf in bdfs},
+        libvirt=libvirt,
+    )
+
+
+def read_kernel_iommufd(root: Path) -> bool:
+    """CONFIG_IOMMUFD: `/dev/iommu`, or its misc class entry when the node was not made."""
+    return (root / "dev/iommu").exists() or (root / "sys/class/misc/iommu").exists()
+
+
+def read_device_support(root: Path, bdf: Bdf) -> DeviceSupport:
+    device = root / "sys/bus/pci/devices" / str(bdf)
+    try:
+        if not device.exists():
+            return DeviceSupport(None, f"no PCI function {bdf} on this node")
+        names = _vfio_dev_names(device)
+        if not names:
+            return DeviceSupport(None, _why_no_vfio_dev(device))
+        with_dev = [name for name in names if (device / "vfio-dev" / name / "dev").exists()]
+        if not with_dev:
+            return DeviceSupport(None, "no VFIO cdev: the kernel lacks CONFIG_VFIO_DEVICE_CDEV")
+        cdev = with_dev[0]
+        if not (root / "dev/vfio/devices" / cdev).exists():
+            return DeviceSupport(None, f"no VFIO cdev node: /dev/vfio/devices/{cdev} is missing")
+        return DeviceSupport(cdev, None)
+    except OSError as error:
+        # Unreadable sysfs means unknown, and unknown means legacy, never a broken domain.
+        where = error.filename or device
+        return DeviceSupport(None, f"cannot read {where}: {error.strerror or error}")
+
+
+def _vfio_dev_names(device: Path) -> list[str]:
+    try:
+        return sorted(p.name for p in (device / "vfio-dev").iterdir() if p.name.startswith("vfio"))
+    except FileNotFoundError:
+        return []
+
+
+def _why_no_vfio_dev(device: Path) -> str:
+    try:
+        driver: str | None = (device / "driver").readlink().name
+    except FileNotFoundError:
+        driver = None
+    if not is_vfio_driver(driver):
+        return f"no VFIO cdev: bound to {driver or 'no driver'}, not to a VFIO driver"
+    return "no VFIO cdev: the kernel gave the device none (needs Linux >= 6.6)"
+
+
+class LibvirtVersionSource:
+    """libvirt's own answer once it gives one (kept: a pod's libvirt does not change), else the
+    version named on the command line, else None."""
+
+    def __init__(self, uri: str | None, flag: LibvirtVersion | None) -> None:
+        self._uri = uri
+        self._flag = None if flag is None else Sourced(flag, "--libvirt-version")
+        self._answer: Sourced[LibvirtVersion] | None = None
+        self._lock = threading.Lock()
+
+    def read(self) -> Sourced[LibvirtVersion] | None:
+        with self._lock:
+            if self._answer is None and self._uri is not None:
+                version = read_libvirt_version(self._uri)
+                if version is not None:
+                    self._answer = Sourced(version, f"libvirt at {self._uri}")
+            return self._answer or self._flag
+
+
+def read_libvirt_version(uri: str) -> LibvirtVersion | None:
+    """`virConnectGetLibVersion` over a read-only connection; None when libvirt does not answer."""
+    import libvirt
+
+    # libvirt's default handler prints every failed connect to stderr; one DEBUG line will do.
+    libvirt.registerErrorHandler(lambda _context, _error: None, None)
+    try:
+        connection = libvirt.openReadOnly(uri)
+        try:
+            number: int = connection.getLibVersion()
+        finally:
+            connection.close()
+    except libvirt.libvirtError as error:
+        log.debug("libvirt at %s did not answer: %s", uri, error)
+        return None
+    return LibvirtVersion.from_number(number)

@@ -1,0 +1,127 @@
+"""Certificate rotation: new handshakes get the new pair, open connections carry on undisturbed."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from webhook.config import Config
+from webhook_testkit import (
+    RunningServer,
+    Tls,
+    admission_review,
+    admit,
+    get,
+    https,
+    load,
+    make_tls,
+    running_server,
+)
+
+
+@pytest.fixture
+def tls(tmp_path: Path) -> Tls:
+    return make_tls(tmp_path)
+
+
+@pytest.fixture
+def server(tls: Tls) -> Iterator[RunningServer]:
+    with running_server(Config(), tls, reload_interval=0.05) as running:
+        yield running
+
+
+def file_der(path: Path) -> bytes:
+    """The DER of the first certificate in a PEM file: what a handshake shows the client."""
+    return ssl.PEM_cert_to_DER_cert(path.read_text())
+
+
+def peer_der(conn: http.client.HTTPSConnection) -> bytes:
+    assert isinstance(conn.sock, ssl.SSLSocket)
+    der = conn.sock.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def handshake_der(server: RunningServer, tls: Tls) -> bytes:
+    conn = https(server, tls)
+    conn.connect()
+    try:
+        return peer_der(conn)
+    finally:
+        conn.close()
+
+
+def eventually(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def reloads(server: RunningServer, result: str) -> float:
+    _, metrics = get(server.health_port, "/metrics")
+    prefix = f'kubevirt_iommufd_webhook_certificate_reloads_total{{result="{result}"}} '
+    lines = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    return float(lines[0].removeprefix(prefix)) if lines else 0.0
+
+
+def test_rotation_keeps_open_connections_and_serves_the_new_cert_to_new_ones(
+    server: RunningServer, tls: Tls
+) -> None:
+    held = https(server, tls)
+    admit(held, "/mutate-pod", admission_review(load("pod-gpu.yaml")))
+    old = file_der(tls.cert)
+    assert peer_der(held) == old
+    held_socket = held.sock
+
+    tls.rotate()
+    new = file_der(tls.cert)
+    assert new != old
+
+    assert eventually(lambda: handshake_der(server, tls) == new)
+    for _ in range(3):
+        admit(held, "/mutate-pod", admission_review(load("pod-gpu.yaml")))
+    assert held.sock is held_socket, "the held connection was dropped and redialled"
+    assert peer_der(held) == old
+    assert reloads(server, "ok") == 1.0
+    held.close()
+
+
+def test_a_mismatched_pair_is_refused_loudly_and_the_old_cert_kept(
+    server: RunningServer, tls: Tls, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = file_der(tls.cert)
+    key = tls.key.read_bytes()
+    caplog.set_level(logging.ERROR, logger="webhook.tls")
+
+    tls.rotate()
+    tls.key.write_bytes(key)  # mid-rotation: the new certificate with the old key
+
+    assert eventually(lambda: reloads(server, "failed") == 1.0)
+    assert handshake_der(server, tls) == old
+    assert any("certificate reload failed" in r.getMessage() for r in caplog.records)
+    tls.rotate()  # the key arrives
+    assert eventually(lambda: handshake_der(server, tls) == file_der(tls.cert))
+    assert reloads(server, "ok") == 1.0
+
+
+def test_files_briefly_missing_keep_the_current_cert(
+    server: RunningServer, tls: Tls, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = file_der(tls.cert)
+    caplog.set_level(logging.WARNING, logger="webhook.tls")
+    moved = tls.cert.with_suffix(".away")
+    tls.cert.rename(moved)
+
+    assert eventually(lambda: any("cannot stat" in r.getMessage() for r in caplog.records))
+    assert handshake_der(server, tls) == old
+    moved.rename(tls.cert)
+    assert reloads(server, "failed") == 0.0

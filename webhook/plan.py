@@ -1,0 +1,48 @@
+"""What a mutation plan is, and the small readers the pod and VMI planners share.
+
+An API server only ever sends well-typed objects, so a shape we cannot read means a bug or a
+misconfiguration somewhere; the readers raise `Unintelligible` naming the field, and the review
+decides whether that warns (default) or denies (`strict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+Operation = dict[str, Any]
+
+
+class Unintelligible(ValueError):
+    """An object whose shape we cannot make sense of; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The RFC 6902 operations to apply (none: leave the object as it is) and why."""
+
+    operations: tuple[Operation, ...]
+    reason: str
+
+
+def pointer(*tokens: str | int) -> str:
+    """An RFC 6901 JSON Pointer; `~` is escaped before `/` so `~1` in a key stays literal."""
+    return "".join("/" + str(t).replace("~", "~0").replace("/", "~1") for t in tokens)
+
+
+def mapping(value: object, where: str) -> dict[str, Any]:
+    """`value` as an object; JSON null and an absent field (None) read as empty."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise Unintelligible(f"{where} is not an object")
+    return value
+
+
+def listing(value: object, where: str) -> list[Any]:
+    """`value` as a list; JSON null and an absent field (None) read as empty."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise Unintelligible(f"{where} is not a list")
+    return value

@@ -1,0 +1,131 @@
+"""AdmissionReview in, AdmissionReview out: the webhook's answer as a pure function of the request.
+
+A body that is not an AdmissionReview we can answer (no `request.uid`) raises `BadReview`, which
+the server turns into HTTP 400. Anything past that gets an answer: a pod we cannot read is let
+through with a warning, because a bug of ours must not block VMs, unless the config is `strict`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from webhook.config import Config
+from webhook.plan import Plan, Unintelligible
+from webhook.pod import plan_pod
+from webhook.vmi import plan_vmi
+
+API_VERSION = "admission.k8s.io/v1"
+KIND = "AdmissionReview"
+WARNING_PREFIX = "kubevirt-iommufd: "
+
+Planner = Callable[[object, str, Config], Plan]
+
+
+class BadReview(ValueError):
+    """A request body that is not an AdmissionReview with a `request.uid`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The AdmissionReview to send back, with what happened for logs and metrics."""
+
+    review: dict[str, Any]
+    outcome: str  # patched | unchanged | warned | denied
+    reason: str
+    uid: str
+    subject: str  # namespace/name of the object, for logs
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One mutating endpoint: which kind of object it reads and how it plans the change."""
+
+    kind: str
+    noun: str
+    planner: Planner
+
+
+POD = Endpoint("Pod", "pod", plan_pod)
+VMI = Endpoint("VirtualMachineInstance", "VMI", plan_vmi)
+
+
+def review_pod(body: object, config: Config) -> Verdict:
+    """Answer an AdmissionReview for a pod (`/mutate-pod`)."""
+    return review(body, config, POD)
+
+
+def review_vmi(body: object, config: Config) -> Verdict:
+    """Answer an AdmissionReview for a VirtualMachineInstance (`/mutate-vmi`)."""
+    return review(body, config, VMI)
+
+
+def review(body: object, config: Config, endpoint: Endpoint) -> Verdict:
+    """Answer an AdmissionReview with the change `endpoint` plans for its object."""
+    if not isinstance(body, dict):
+        raise BadReview("the body is not a JSON object; expected an AdmissionReview")
+    request = body.get("request")
+    if not isinstance(request, dict):
+        raise BadReview("the AdmissionReview has no request object")
+    uid = request.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise BadReview("request.uid is missing or not a non-empty string")
+    api_version = body.get("apiVersion")
+    kind = body.get("kind")
+    envelope = {
+        "apiVersion": api_version if isinstance(api_version, str) else API_VERSION,
+        "kind": kind if isinstance(kind, str) else KIND,
+    }
+    namespace = request.get("namespace")
+    namespace = namespace if isinstance(namespace, str) else ""
+    subject = f"{namespace}/{_name(request)}"
+    response: dict[str, Any] = {"uid": uid, "allowed": True}
+    try:
+        plan = _plan(request, namespace, config, endpoint)
+    except Unintelligible as problem:
+        reason = f"cannot read the {endpoint.noun}: {problem}"
+        if config.strict:
+            response["allowed"] = False
+            response["status"] = {"code": 400, "message": f"{WARNING_PREFIX}{reason}"}
+            outcome = "denied"
+        else:
+            response["warnings"] = [f"{WARNING_PREFIX}{reason}; left unchanged"]
+            outcome = "warned"
+        return Verdict({**envelope, "response": response}, outcome, reason, uid, subject)
+    if plan.operations:
+        patch = json.dumps(plan.operations, separators=(",", ":")).encode()
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(patch).decode("ascii")
+    outcome = "patched" if plan.operations else "unchanged"
+    return Verdict({**envelope, "response": response}, outcome, plan.reason, uid, subject)
+
+
+def _plan(request: dict[str, Any], namespace: str, config: Config, endpoint: Endpoint) -> Plan:
+    operation = request.get("operation")
+    if operation != "CREATE":
+        return Plan((), f"operation {operation!r:.20} is not CREATE")
+    kind = request.get("kind")
+    if isinstance(kind, dict) and kind.get("kind") != endpoint.kind:
+        raise Unintelligible(
+            f"this endpoint takes {endpoint.kind} objects, not {kind.get('kind')!r:.40};"
+            " check the webhook configuration's rules"
+        )
+    return endpoint.planner(request.get("object"), namespace, config)
+
+
+def _name(request: dict[str, Any]) -> str:
+    """The object's name; pods from a controller have only a generateName at CREATE."""
+    name = request.get("name")
+    if isinstance(name, str) and name:
+        return name
+    obj = request.get("object")
+    metadata = obj.get("metadata") if isinstance(obj, dict) else None
+    if isinstance(metadata, dict):
+        for key in ("name", "generateName"):
+            value = metadata.get(key)
+            if isinstance(value, str) and value:
+                return value
+    return "?"
