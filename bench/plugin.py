@@ -25,11 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests/deviceplugin"))
-
-from hostdev.simhost import HostSpec, build_tree, hgx_h100, scale  # noqa: E402
-from kubelet_standin import KubeletStandIn  # noqa: E402
+from hostdev.simhost import HostSpec, build_tree, hgx_h100, scale
+from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 
 IOMMUFD = "devices.kubevirt.io/iommufd"
 RESOURCE = "nvidia.com/2330"  # no pci.ids in the benchmark: the name is the device id

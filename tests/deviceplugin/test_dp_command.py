@@ -14,7 +14,7 @@ import pytest
 
 from conftest import BuildHost
 from hostdev.simhost import hgx_h100
-from kubelet_standin import KubeletStandIn
+from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 
 
 @pytest.fixture

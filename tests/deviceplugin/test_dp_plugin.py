@@ -22,7 +22,7 @@ from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
 from hostdev.pciids import PciIds
 from hostdev.simhost import SCENARIOS, bind_driver, unbind_driver
-from kubelet_standin import KubeletStandIn
+from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 
 H100 = "nvidia.com/GH100H100_SXM5_80GB"
 IOMMUFD = "devices.kubevirt.io/iommufd"

@@ -1,5 +1,6 @@
 """A kubelet stand-in that behaves like the real device manager (kubernetes
-pkg/kubelet/cm/devicemanager) toward a plugin, over real gRPC on unix sockets:
+pkg/kubelet/cm/devicemanager) toward a plugin, over real gRPC on unix sockets. The demo runs the
+real plugin against it; the tests and benchmarks do too.
 
 - serves Registration on `kubelet.sock`; on Register it dials the plugin's endpoint at once,
   calls GetDevicePluginOptions, then reads ListAndWatch in a thread, keeping every snapshot;
