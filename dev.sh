@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One entry point for people and CI: ./dev.sh run | test | lint | bench | stubs | setup
-#   run    set up, then run the main job on a built-in example node (no cluster, no GPU)
+#   run    set up, then run the end-to-end demo on a simulated node (no cluster, no GPU)
 #   test   set up, then run the test suite
 #   lint   set up, then ruff (lint + format check) and mypy
 #   bench  set up, then run every benchmark in bench/
@@ -62,7 +62,7 @@ case "$command" in
     setup) setup ;;
     run)
         setup
-        exec "$VENV/bin/kubevirt-iommufd" inspect --example hgx-h100 "$@"
+        exec "$VENV/bin/kubevirt-iommufd" demo "$@"
         ;;
     test)
         setup
