@@ -22,11 +22,15 @@ log = logging.getLogger(__name__)
 
 
 def read_capabilities(
-    root: Path, bdfs: Iterable[Bdf], libvirt: Sourced[LibvirtVersion] | None
+    root: Path,
+    bdfs: Iterable[Bdf],
+    libvirt: Sourced[LibvirtVersion] | None,
+    *,
+    require_node: bool = True,
 ) -> Capabilities:
     return Capabilities(
         kernel_iommufd=read_kernel_iommufd(root),
-        devices={bdf: read_device_support(root, bdf) for bdf in bdfs},
+        devices={bdf: read_device_support(root, bdf, require_node=require_node) for bdf in bdfs},
         libvirt=libvirt,
     )
 
@@ -36,7 +40,10 @@ def read_kernel_iommufd(root: Path) -> bool:
     return (root / "dev/iommu").exists() or (root / "sys/class/misc/iommu").exists()
 
 
-def read_device_support(root: Path, bdf: Bdf) -> DeviceSupport:
+def read_device_support(root: Path, bdf: Bdf, *, require_node: bool = True) -> DeviceSupport:
+    """The device's cdev. With `require_node` its /dev node must exist under `root` too; without,
+    the kernel's sysfs entry is enough - for a sidecar, whose /dev never shows the nodes the
+    device plugin gave the compute container."""
     device = root / "sys/bus/pci/devices" / str(bdf)
     try:
         if not device.exists():
@@ -48,7 +55,7 @@ def read_device_support(root: Path, bdf: Bdf) -> DeviceSupport:
         if not with_dev:
             return DeviceSupport(None, "no VFIO cdev: the kernel lacks CONFIG_VFIO_DEVICE_CDEV")
         cdev = with_dev[0]
-        if not (root / "dev/vfio/devices" / cdev).exists():
+        if require_node and not (root / "dev/vfio/devices" / cdev).exists():
             return DeviceSupport(None, f"no VFIO cdev node: /dev/vfio/devices/{cdev} is missing")
         return DeviceSupport(cdev, None)
     except OSError as error:

@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     config = HookConfig(
         policy=Policy(args.policy),
         root=Path(args.root),
+        require_cdev_node=args.cdev_check == "node",
         libvirt=LibvirtVersionSource(args.libvirt_uri, args.libvirt_version),
     )
 
@@ -148,6 +149,17 @@ def _add_decision_options(parser: argparse.ArgumentParser, suppress: bool) -> No
         default=default("/"),
         metavar="DIR",
         help="directory holding the node's sys/ and dev/ (default: /)",
+    )
+    parser.add_argument(
+        "--cdev-check",
+        choices=["node", "sysfs"],
+        default=default("node"),
+        help=(
+            "node: a device's cdev counts when sysfs has it and its /dev/vfio/devices node is"
+            " visible under --root; sysfs: sysfs alone, for a hook sidecar (its /dev never shows"
+            " the nodes) beside this project's device plugin, which hands the compute container"
+            " the node of every device it allocates (default: node)"
+        ),
     )
     parser.add_argument(
         "--libvirt-uri",

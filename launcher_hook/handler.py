@@ -20,6 +20,9 @@ class HookConfig:
     policy: Policy
     root: Path
     libvirt: LibvirtVersionSource
+    require_cdev_node: bool = True
+    """False (`--cdev-check sysfs`): a cdev in sysfs is enough, for sidecars next to this
+    project's device plugin, which gives the compute container every healthy device's node."""
 
 
 def define_domain(domain_xml: bytes, vmi_json: bytes, config: HookConfig) -> bytes:
@@ -28,7 +31,12 @@ def define_domain(domain_xml: bytes, vmi_json: bytes, config: HookConfig) -> byt
     if log.isEnabledFor(logging.DEBUG):
         log.debug("OnDefineDomain vmi: %s", shorten(vmi_json))
         log.debug("OnDefineDomain domain: %s", shorten(domain_xml))
-    caps = read_capabilities(config.root, pci_sources(domain_xml), config.libvirt.read())
+    caps = read_capabilities(
+        config.root,
+        pci_sources(domain_xml),
+        config.libvirt.read(),
+        require_node=config.require_cdev_node,
+    )
     result = rewrite_domain(domain_xml, vmi_json, caps, config.policy)
     log.info("%s", result.decision.summary())
     if log.isEnabledFor(logging.DEBUG):

@@ -24,6 +24,10 @@ class ConfigError(ValueError):
     """A configuration file that cannot be read or does not follow the schema."""
 
 
+# The sidecar cannot see the compute container's /dev, so it judges cdevs from sysfs.
+DEFAULT_HOOK_ARGS = ("hook", "--cdev-check", "sysfs")
+
+
 @dataclass(frozen=True, slots=True)
 class HookSidecar:
     """The entry `/mutate-vmi` appends to a VMI's `hooks.kubevirt.io/hookSidecars` annotation."""
@@ -31,7 +35,7 @@ class HookSidecar:
     image: str
     image_pull_policy: str = "IfNotPresent"
     command: tuple[str, ...] = ()
-    args: tuple[str, ...] = ("hook",)
+    args: tuple[str, ...] = DEFAULT_HOOK_ARGS
 
     def entry(self) -> dict[str, Any]:
         """The annotation entry in KubeVirt's field names."""
@@ -135,7 +139,7 @@ def _hook_sidecar(data: object) -> HookSidecar | None:
         image=image.strip(),
         image_pull_policy=str(policy),
         command=tuple(_strings(section.get("command", []), "hookSidecar.command")),
-        args=tuple(_strings(section.get("args", ["hook"]), "hookSidecar.args")),
+        args=tuple(_strings(section.get("args", list(DEFAULT_HOOK_ARGS)), "hookSidecar.args")),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -83,6 +84,25 @@ def test_device_with_cdev(tmp_path: Path) -> None:
 def test_device_gaps(build: Callable[[Path], Path], bdf: str, gap: str, tmp_path: Path) -> None:
     root = build(tmp_path)
     assert read_device_support(root, Bdf.parse(bdf)) == DeviceSupport(None, gap)
+
+
+def test_sidecar_mode_judges_the_cdev_from_sysfs_alone(tmp_path: Path) -> None:
+    """A sidecar's /dev has no VFIO nodes at all; sysfs still names the cdev."""
+    root = build_cdevs(tmp_path)
+    shutil.rmtree(root / "dev/vfio")
+    (root / "dev/iommu").unlink()
+    caps = read_capabilities(root, [Bdf.parse(GPU1)], None, require_node=False)
+    assert caps.kernel_iommufd
+    assert caps.devices == {Bdf.parse(GPU1): DeviceSupport("vfio0", None)}
+    strict = read_capabilities(root, [Bdf.parse(GPU1)], None)
+    assert strict.devices[Bdf.parse(GPU1)] == DeviceSupport(
+        None, "no VFIO cdev node: /dev/vfio/devices/vfio0 is missing"
+    )
+    # sysfs alone never invents a cdev the kernel did not make.
+    pre_cdev = build_tree(replace(gpu_node(), vfio_cdev=False), tmp_path / "old")
+    assert read_device_support(pre_cdev, Bdf.parse(GPU1), require_node=False) == DeviceSupport(
+        None, "no VFIO cdev: the kernel lacks CONFIG_VFIO_DEVICE_CDEV"
+    )
 
 
 def test_read_capabilities_looks_only_at_the_requested_devices(tmp_path: Path) -> None:

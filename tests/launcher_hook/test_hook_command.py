@@ -100,3 +100,18 @@ def test_payloads_only_at_debug_and_shortened(tmp_path: Path) -> None:
     ]
     assert all(len(line) < 2200 for line in debug)
     assert debug[1].endswith(f"… ({len(domain)} bytes)")
+
+
+@pytest.mark.parametrize(("check", "backend"), [("sysfs", "iommufd"), ("node", "legacy")])
+def test_cdev_check_in_a_sidecar_without_vfio_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], check: str, backend: str
+) -> None:
+    """A sidecar's /dev holds no VFIO nodes; `--cdev-check sysfs` judges by sysfs instead."""
+    root = build_missing_cdev_node(tmp_path)
+    args = ["--root", str(root), "--libvirt-version", "12.9.0", "--cdev-check", check]
+    domain = read_data("kubevirt-gpus.xml").decode()
+
+    assert command.main([*args, "--vmi", vmi_json().decode(), "--domain", domain]) == 0
+
+    out, _ = capsys.readouterr()
+    assert f'alias="ua-hostdevice-gpu2" bdf="0000:2a:00.0" backend="{backend}"' in out

@@ -325,7 +325,7 @@ HOOKS = "hooks.kubevirt.io/hookSidecars"
 OURS = {
     "image": "ghcr.io/kubevirt-iommufd/kubevirt-iommufd:v0.2.0",
     "imagePullPolicy": "IfNotPresent",
-    "args": ["hook"],
+    "args": ["hook", "--cdev-check", "sysfs"],
 }
 
 
