@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from deviceplugin import command as plugin_command
 from hostdev.errors import HostdevError
-from kubevirt_iommufd import demo, inspect_command
+from kubevirt_iommufd import certs_command, demo, inspect_command
 from launcher_hook import command as hook_command
 from webhook import command as webhook_command
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     webhook_command.add_parser(commands)
     hook_command.add_parser(commands)
     demo.add_parser(commands)
+    certs_command.add_parser(commands)
     return parser
 
 
