@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -42,6 +43,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"the kubelet's device plugin directory (default: {DEFAULT_KUBELET_DIR})",
     )
     plugin.add_argument(
+        "--pod-resources-socket",
+        type=Path,
+        metavar="SOCKET",
+        help="the kubelet's pod resources API, asked which devices pods hold when a resource"
+        " has resetAfterUse (default: podResources.socket in the config, else"
+        " /var/lib/kubelet/pod-resources/kubelet.sock)",
+    )
+    plugin.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -65,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"kubevirt-iommufd plugin: {error}", file=sys.stderr)
         return 2
+    config = apply_flags(config, args)
     if not args.root.is_dir():
         print(f"kubevirt-iommufd plugin: --root {args.root} is not a directory", file=sys.stderr)
         return 2
@@ -99,6 +109,14 @@ def run(args: argparse.Namespace) -> int:
             handoff.close()
     log.info("stopped")
     return 0
+
+
+def apply_flags(config: PluginConfig, args: argparse.Namespace) -> PluginConfig:
+    """Command-line flags win over the configuration file."""
+    if args.pod_resources_socket is not None:
+        pod_resources = replace(config.pod_resources, socket=args.pod_resources_socket)
+        config = replace(config, pod_resources=pod_resources)
+    return config
 
 
 def _handoff(config: PluginConfig, root: Path) -> IommufdHandoff:

@@ -27,6 +27,7 @@ NVIDIA_CLASSES = ("0300", "0302", "0680")
 ANY_VFIO_DRIVER = "vfio"
 IOMMUFD_RESOURCE = "devices.kubevirt.io/iommufd"
 KUBEVIRT_QEMU_ID = 107
+POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 _RESOURCE_NAME = re.compile(
     r"(?=.{1,253}/)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
     r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
@@ -67,6 +68,9 @@ class ResourceConfig:
     selectors: Selectors
     resource_name: str | None = None
     auto_name: bool = False
+    reset_after_use: bool = False
+    """Reset a device through sysfs once the pod that had it is gone, and offer it again only
+    then (assignments come from the kubelet's pod resources API)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +88,26 @@ class IommufdConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PodResourcesConfig:
+    """Where the kubelet's pod resources API is, and how often to ask it which devices pods
+    hold (only asked when a resource has resetAfterUse)."""
+
+    socket: Path = POD_RESOURCES_SOCKET
+    poll_interval_seconds: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
 class PluginConfig:
     resources: tuple[ResourceConfig, ...]
     device_mode: DeviceMode = DeviceMode.BOTH
     iommufd: IommufdConfig = field(default_factory=IommufdConfig)
     rescan_interval_seconds: float = 30.0
     pci_ids: Path | None = None
+    pod_resources: PodResourcesConfig = field(default_factory=PodResourcesConfig)
+
+    @property
+    def resets_after_use(self) -> bool:
+        return any(r.reset_after_use for r in self.resources)
 
 
 def default_resources() -> tuple[ResourceConfig, ...]:
@@ -137,7 +155,11 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 def parse_config(data: object) -> PluginConfig:
     """Validate an already-decoded document (a mapping)."""
     top = _mapping(data, "the document")
-    _known_keys(top, "", {"resources", "deviceMode", "iommufd", "rescanIntervalSeconds", "pciIds"})
+    _known_keys(
+        top,
+        "",
+        {"resources", "deviceMode", "iommufd", "rescanIntervalSeconds", "pciIds", "podResources"},
+    )
     resources = (
         tuple(
             _resource(item, f"resources[{i}]")
@@ -161,20 +183,38 @@ def parse_config(data: object) -> PluginConfig:
         iommufd=_iommufd(top.get("iommufd", {}), "iommufd"),
         rescan_interval_seconds=interval,
         pci_ids=None if pci_ids is None else Path(_string(pci_ids, "pciIds")),
+        pod_resources=_pod_resources(top.get("podResources", {}), "podResources"),
+    )
+
+
+def _pod_resources(data: object, key: str) -> PodResourcesConfig:
+    item = _mapping(data, key)
+    _known_keys(item, key, {"socket", "pollIntervalSeconds"})
+    defaults = PodResourcesConfig()
+    return PodResourcesConfig(
+        socket=Path(_string(item.get("socket", str(defaults.socket)), f"{key}.socket")),
+        poll_interval_seconds=_number(
+            item.get("pollIntervalSeconds", defaults.poll_interval_seconds),
+            f"{key}.pollIntervalSeconds",
+            low=0.1,
+        ),
     )
 
 
 def _resource(data: object, key: str) -> ResourceConfig:
     item = _mapping(data, key)
-    _known_keys(item, key, {"resourceName", "autoName", "selectors"})
+    _known_keys(item, key, {"resourceName", "autoName", "selectors", "resetAfterUse"})
     selectors = _selectors(item.get("selectors", {}), f"{key}.selectors")
+    reset = item.get("resetAfterUse", False)
+    if not isinstance(reset, bool):
+        raise ConfigError(f"{key}.resetAfterUse: expected true or false, got {_kind(reset)}")
     if "resourceName" in item and "autoName" in item:
         raise ConfigError(f"{key}: give resourceName or autoName, not both")
     if "autoName" in item:
         style = _string(item["autoName"], f"{key}.autoName")
         if style != "nvidia":
             raise ConfigError(f'{key}.autoName: expected "nvidia", got {style!r}')
-        return ResourceConfig(selectors, auto_name=True)
+        return ResourceConfig(selectors, auto_name=True, reset_after_use=reset)
     if "resourceName" not in item:
         raise ConfigError(f"{key}: missing resourceName (or autoName: nvidia)")
     name = validate_resource_name(
@@ -182,7 +222,7 @@ def _resource(data: object, key: str) -> ResourceConfig:
     )
     if selectors == Selectors():
         raise ConfigError(f"{key}.selectors: give at least one selector, or every device matches")
-    return ResourceConfig(selectors, resource_name=name)
+    return ResourceConfig(selectors, resource_name=name, reset_after_use=reset)
 
 
 def validate_resource_name(name: str, key: str = "resourceName") -> str:

@@ -51,6 +51,7 @@ class VfioResource:
     name: str
     devices: Mapping[str, VfioDevice]
     """By device id (the BDF), in address order."""
+    reset_after_use: bool = False
 
     @property
     def env_name(self) -> str:
@@ -70,6 +71,7 @@ class _Source:
     siblings: tuple[PciFunction | None, ...]
     resource: str | None
     device: VfioDevice | None
+    reset_after_use: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,14 +123,16 @@ def build_device_tree(
             and source.group == group
             and _same_objects(source.siblings, siblings)
         ):
-            resource = _resource_for(function, config.resources, names, before.get(function.bdf))
+            chosen = _resource_for(function, config.resources, names, before.get(function.bdf))
+            resource, reset = chosen if chosen else (None, False)
             device = _device(function, inventory, config.device_mode) if resource else None
-            source = _Source(function, group, siblings, resource, device)
+            source = _Source(function, group, siblings, resource, device, reset)
         sources[function.bdf] = source
         if source.resource is not None and source.device is not None:
             grouped.setdefault(source.resource, []).append(source.device)
+    resets = {s.resource for s in sources.values() if s.reset_after_use}
     resources = {
-        name: VfioResource(name, MappingProxyType({d.id: d for d in devices}))
+        name: VfioResource(name, MappingProxyType({d.id: d for d in devices}), name in resets)
         for name, devices in sorted(grouped.items())
     }
     return DeviceTree(
@@ -148,13 +152,14 @@ def _resource_for(
     resources: tuple[ResourceConfig, ...],
     names: PciIds,
     previous_resource: str | None,
-) -> str | None:
+) -> tuple[str, bool] | None:
+    """The resource a function joins, and whether that resource resets devices after use."""
     for resource in resources:
         if not _matches_identity(function, resource.selectors):
             continue
         name = _resource_name(function, resource, names)
         if name == previous_resource or _matches_driver(function, resource.selectors):
-            return name
+            return name, resource.reset_after_use
     return None
 
 

@@ -2,8 +2,9 @@
 whichever kubelet is running.
 
 One thread owns all state and handles events in batches from a queue: watch events (device
-changes, a restarted kubelet, a removed socket), the periodic re-scan and registration retries.
-gRPC threads only read what the servicers hold.
+changes, a restarted kubelet, a removed socket), the periodic re-scan and registration retries,
+and for resources that reset devices after use: pod resources Lists, Allocates and finished
+resets. gRPC threads only read what the servicers hold.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from pathlib import Path
 from deviceplugin.config import PluginConfig
 from deviceplugin.inventory import DeviceTree, VfioResource, build_device_tree
 from deviceplugin.metrics import PluginMetrics
+from deviceplugin.podresources_client import (
+    AssignmentPoller,
+    AssignmentsSeen,
+    AssignmentsUnavailable,
+)
 from deviceplugin.registration import (
     KUBELET_SOCKET,
     PluginServer,
@@ -26,6 +32,7 @@ from deviceplugin.registration import (
     remove_stale_sockets,
     socket_name,
 )
+from deviceplugin.resetter import DevicesAllocated, ResetCoordinator, ResetFinished
 from deviceplugin.servicer import Handoff, IommufdServicer, VfioServicer
 from deviceplugin.watch import (
     DevicesChanged,
@@ -39,6 +46,7 @@ from hostdev.bdf import Bdf
 from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
+from hostdev.sysfs_write import KernelSysfs, SysfsWriter
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +64,19 @@ class _Batch:
     kubelet_started: bool = False
     removed_sockets: set[str] = field(default_factory=set)
     stop: bool = False
+    assignments: AssignmentsSeen | None = None
+    assignments_unavailable: str | None = None
+    allocated: list[DevicesAllocated] = field(default_factory=list)
+    resets_finished: list[ResetFinished] = field(default_factory=list)
 
 
 class _Stop:
     """Queued by `stop()` to end `run()`."""
+
+
+_Event = (
+    WatchEvent | _Stop | AssignmentsSeen | AssignmentsUnavailable | DevicesAllocated | ResetFinished
+)
 
 
 class PluginManager:
@@ -73,6 +90,7 @@ class PluginManager:
         handoff: Handoff | None = None,
         *,
         watch_udev: bool = False,
+        sysfs_writer: SysfsWriter | None = None,
     ) -> None:
         self._config = config
         self._root = root
@@ -80,7 +98,7 @@ class PluginManager:
         self._names = names
         self._metrics = metrics
         self._handoff = handoff
-        self._events: queue.Queue[WatchEvent | _Stop] = queue.Queue()
+        self._events: queue.Queue[_Event] = queue.Queue()
         self._watches: list[FilesystemWatch | UdevWatch] = [
             FilesystemWatch(root, kubelet_dir, self._events.put)
         ]
@@ -88,6 +106,19 @@ class PluginManager:
             self._watches.append(UdevWatch(self._events.put))
         self._inventory: HostInventory | None = None
         self._tree = DeviceTree()
+        """What the kubelet is told: the scanned tree with devices awaiting a reset Unhealthy."""
+        self._scanned = DeviceTree()
+        """The tree as discovery alone makes it."""
+        self._resets: ResetCoordinator | None = None
+        self._poller: AssignmentPoller | None = None
+        if config.resets_after_use:
+            self._resets = ResetCoordinator(
+                root, sysfs_writer or KernelSysfs(), self._events.put, time.monotonic
+            )
+            pod_resources = config.pod_resources
+            self._poller = AssignmentPoller(
+                pod_resources.socket, pod_resources.poll_interval_seconds, self._events.put
+            )
         self._vfio: dict[str, VfioServicer] = {}
         self._iommufd: IommufdServicer | None = None
         self._servers: dict[str, PluginServer] = {}
@@ -112,7 +143,8 @@ class PluginManager:
         for watch in self._watches:
             watch.start()
         self._inventory = scan_host(self._root)
-        self._apply(build_device_tree(self._inventory, self._config, self._names), "start")
+        self._scanned = build_device_tree(self._inventory, self._config, self._names)
+        self._apply(self._published(), "start")
         if self._config.iommufd.enabled and self._handoff is not None:
             iommufd = self._config.iommufd
             self._iommufd = IommufdServicer(
@@ -125,6 +157,8 @@ class PluginManager:
             self._serve(iommufd.resource_name, self._iommufd)
             self._count_iommufd()
         self._register_pending()
+        if self._poller is not None:
+            self._poller.start()
         self.ready.set()
 
     def run(self) -> None:
@@ -149,6 +183,10 @@ class PluginManager:
             self._teardown()
 
     def _teardown(self) -> None:
+        if self._poller is not None:
+            self._poller.stop()
+        if self._resets is not None:
+            self._resets.close()
         for watch in self._watches:
             watch.stop()
         for resource, server in list(self._servers.items()):
@@ -182,6 +220,7 @@ class PluginManager:
     def _handle(self, batch: _Batch) -> None:
         if batch.refresh or batch.rescan:
             self._refresh(batch)
+        self._track_use(batch)
         if batch.kubelet_started:
             log.info("kubelet restarted; serving anew and re-registering")
             self._lost.clear()
@@ -211,7 +250,7 @@ class PluginManager:
             first = self._events.get(timeout=timeout)
         except queue.Empty:
             return batch
-        pending: list[WatchEvent | _Stop] = [first]
+        pending: list[_Event] = [first]
         while True:
             try:
                 pending.append(self._events.get_nowait())
@@ -229,6 +268,14 @@ class PluginManager:
                 batch.rescan |= event.rescan
                 batch.bdfs |= event.bdfs
                 batch.reasons.append(event.reason)
+            elif isinstance(event, AssignmentsSeen):
+                batch.assignments = event  # the newest List says it all
+            elif isinstance(event, AssignmentsUnavailable):
+                batch.assignments_unavailable = event.error
+            elif isinstance(event, DevicesAllocated):
+                batch.allocated.append(event)
+            elif isinstance(event, ResetFinished):
+                batch.resets_finished.append(event)
         return batch
 
     def _refresh(self, batch: _Batch) -> None:
@@ -237,8 +284,33 @@ class PluginManager:
             self._inventory = scan_host(self._root)
         else:
             self._inventory = refresh_host(self._root, self._inventory, batch.bdfs)
-        tree = build_device_tree(self._inventory, self._config, self._names, self._tree)
-        self._apply(tree, cause)
+        self._scanned = build_device_tree(self._inventory, self._config, self._names, self._scanned)
+        self._apply(self._published(), cause)
+
+    def _published(self) -> DeviceTree:
+        return self._scanned if self._resets is None else self._resets.overlay(self._scanned)
+
+    def _track_use(self, batch: _Batch) -> None:
+        """Reset after use: fold in Allocates, finished resets and the newest List."""
+        if self._resets is None or self._inventory is None:
+            return
+        changed = False
+        for allocated in batch.allocated:
+            self._resets.allocated(allocated)
+        for finished in batch.resets_finished:
+            changed |= self._resets.finished(finished)
+        if batch.assignments_unavailable is not None and batch.assignments is None:
+            self._resets.unavailable(batch.assignments_unavailable)
+        if batch.assignments is not None:
+            changed |= self._resets.assignments(batch.assignments, self._scanned, self._inventory)
+        if changed:
+            self._apply(self._published(), "reset after use")
+
+    def _on_allocated(self, resource: str, device_ids: tuple[str, ...]) -> None:
+        """From a gRPC thread: note the allocation and ask the kubelet soon who holds what."""
+        self._events.put(DevicesAllocated(resource, device_ids))
+        if self._poller is not None:
+            self._poller.poke()
 
     def _apply(self, tree: DeviceTree, cause: str) -> None:
         """Publish what changed: new resources get a server, changed ones a new snapshot,
@@ -252,7 +324,11 @@ class PluginManager:
             _log_health_changes(old, resource, cause)
             servicer = self._vfio.get(name)
             if servicer is None:
-                servicer = VfioServicer(resource, self._metrics.allocation)
+                servicer = VfioServicer(
+                    resource,
+                    self._metrics.allocation,
+                    allocated=self._on_allocated if resource.reset_after_use else None,
+                )
                 self._vfio[name] = servicer
                 self._serve(name, servicer)
             else:

@@ -25,6 +25,8 @@ _STREAM_POLL_SECONDS = 5.0
 
 AllocationObserver = Callable[[str, str], None]
 """Called with (resource name, "ok" | "refused") after each Allocate."""
+AllocatedDevices = Callable[[str, tuple[str, ...]], None]
+"""Called with (resource name, device ids) after an Allocate that succeeded."""
 
 
 def _vfio_snapshot(resource: VfioResource) -> api_pb2.ListAndWatchResponse:
@@ -55,9 +57,16 @@ def _stream(
 class VfioServicer:
     """One VFIO resource: its devices, Allocate and the preferred allocation."""
 
-    def __init__(self, resource: VfioResource, observe: AllocationObserver) -> None:
+    def __init__(
+        self,
+        resource: VfioResource,
+        observe: AllocationObserver,
+        *,
+        allocated: AllocatedDevices | None = None,
+    ) -> None:
         self._resource = resource
         self._observe = observe
+        self._allocated = allocated
         self.snapshots = Feed(_vfio_snapshot(resource))
 
     @property
@@ -121,6 +130,9 @@ class VfioServicer:
                 len(response.devices),
             )
         self._observe(resource.name, "ok")
+        if self._allocated is not None:
+            ids = tuple(i for c in request.container_requests for i in c.devices_ids)
+            self._allocated(resource.name, ids)
         return api_pb2.AllocateResponse(container_responses=responses)
 
     def GetPreferredAllocation(

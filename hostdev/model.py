@@ -68,6 +68,10 @@ class PciFunction:
     """Whether `/dev/vfio/devices/<vfio_cdev>` exists."""
     vfio_sysfs_without_cdev: bool
     """The device has a `vfio-dev` entry with no char device: a kernel without VFIO cdevs."""
+    reset_methods: tuple[str, ...] | None = None
+    """The kernel's reset methods in the order it tries them (`reset_method`: `flr`, `pm`,
+    `bus`, ...), `("default",)` on kernels before 5.15 that only offer `reset`, `()` when the
+    device cannot be reset, None when discovery was not asked to read them."""
 
     @property
     def is_bridge(self) -> bool:

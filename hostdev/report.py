@@ -77,7 +77,7 @@ def _group(group: IommuGroup | None, number: int | None, devices: list[Document]
 def _device(function: PciFunction, inventory: HostInventory, names: PciIds) -> Document:
     verdict = assess_function(function, inventory)
     vendor, device = function.vendor_id, function.device_id
-    return {
+    document: Document = {
         "bdf": str(function.bdf),
         "vendor_id": f"{vendor:04x}",
         "device_id": f"{device:04x}",
@@ -107,6 +107,24 @@ def _device(function: PciFunction, inventory: HostInventory, names: PciIds) -> D
         "backend": None if verdict.backend is None else verdict.backend.value,
         "reasons": list(verdict.reasons),
     }
+    if function.reset_methods is not None:
+        # Present when discovery read them (`inspect` does; scan_host(reset_methods=True)).
+        document["reset_methods"] = list(function.reset_methods)
+        document["warnings"] = _warnings(function)
+    return document
+
+
+NO_RESET_WARNING = (
+    "no reset method: the kernel cannot reset this device between users, so the next VM may"
+    " see the last one's state"
+)
+
+
+def _warnings(function: PciFunction) -> list[str]:
+    # Bridges are never handed out, so their reset does not matter.
+    if function.reset_methods == () and not function.is_bridge:
+        return [NO_RESET_WARNING]
+    return []
 
 
 def _hex4(value: int | None) -> str | None:
@@ -132,7 +150,10 @@ def render_table(report: Document) -> str:
                     device["driver"] or "-",
                     device["vfio_cdev"] or "-",
                     "-" if device["numa_node"] is None else str(device["numa_node"]),
-                    _verdict(device),
+                    _verdict(device)
+                    + "".join(
+                        f"; warning: {w.partition(':')[0]}" for w in device.get("warnings", ())
+                    ),
                 )
             )
         for name in group["other_members"]:

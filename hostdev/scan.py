@@ -41,8 +41,11 @@ _PCI_DEVLINK = re.compile(r"pci:(.+)--pci:(.+)")
 _READ_FIX = "run as root, or point --root at a complete copy of the host's /sys and /dev"
 
 
-def scan_host(root: Path | str = "/") -> HostInventory:
-    """Discover the PCI functions, IOMMU groups and capabilities of the host under `root`."""
+def scan_host(root: Path | str = "/", *, reset_methods: bool = False) -> HostInventory:
+    """Discover the PCI functions, IOMMU groups and capabilities of the host under `root`.
+
+    With `reset_methods`, also read each function's reset methods (one more read per function,
+    which callers that never reset devices need not pay for)."""
     base = Path(root)
     if not base.is_dir():
         raise RootNotFound(str(root))
@@ -58,7 +61,9 @@ def scan_host(root: Path | str = "/") -> HostInventory:
             bdf = Bdf.parse(name)
         except InvalidBdf:
             raise HostReadError(link, "not a PCI address", _READ_FIX) from None
-        function = _read_function(link, name, bdf, group_of.get(name), consumers, cdev_nodes)
+        function = _read_function(
+            link, name, bdf, group_of.get(name), consumers, cdev_nodes, reset_methods
+        )
         if function is not None:
             functions.append(function)
     groups = _build_groups(base, group_members, functions)
@@ -66,7 +71,11 @@ def scan_host(root: Path | str = "/") -> HostInventory:
 
 
 def refresh_host(
-    root: Path | str, previous: HostInventory, changed: Iterable[Bdf]
+    root: Path | str,
+    previous: HostInventory,
+    changed: Iterable[Bdf],
+    *,
+    reset_methods: bool = False,
 ) -> HostInventory:
     """`previous` with the `changed` functions and their IOMMU groups read again.
 
@@ -94,7 +103,13 @@ def refresh_host(
         link = f"{devices_dir}/{bdf}"
         group = _link_name(f"{link}/iommu_group")
         function = _read_function(
-            link, str(bdf), bdf, int(group) if group else None, consumers, cdev_nodes
+            link,
+            str(bdf),
+            bdf,
+            int(group) if group else None,
+            consumers,
+            cdev_nodes,
+            reset_methods,
         )
         if function is not None:
             fresh.append(function)
@@ -182,6 +197,7 @@ def _read_function(
     group: int | None,
     consumers: dict[str, list[Bdf]],
     cdev_nodes: set[str],
+    reset_methods: bool = False,
 ) -> PciFunction | None:
     try:
         target = os.readlink(link)
@@ -234,6 +250,7 @@ def _read_function(
             vfio_cdev=vfio_cdev,
             vfio_cdev_present=vfio_cdev is not None and vfio_cdev in cdev_nodes,
             vfio_sysfs_without_cdev=vfio_without_cdev,
+            reset_methods=read.reset_methods() if reset_methods else None,
         )
     finally:
         os.close(fd)
@@ -347,6 +364,14 @@ class _DeviceReader:
                 continue
             return cdev, False
         return None, bool(names)
+
+    def reset_methods(self) -> tuple[str, ...]:
+        """`reset_method` (Linux >= 5.15); before that, `reset` alone says the kernel can reset
+        the device somehow. The kernel hides both when it cannot."""
+        methods = self.text("reset_method")
+        if methods is not None:
+            return tuple(methods.split())
+        return ("default",) if self.has("reset") else ()
 
     def _number(self, name: str, base: int) -> int | None:
         data = self._read(name)

@@ -47,6 +47,9 @@ class FunctionSpec:
     sriov_num: int = 0
     physfn: str | None = None
     consumers: tuple[str, ...] = ()
+    reset_methods: tuple[str, ...] = ("flr", "bus")
+    """Written to `reset_method`; empty: a device the kernel cannot reset (no `reset_method`
+    and no `reset` entry, as the kernel hides both then)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,9 @@ class _Builder:
                 f"i{spec.class_code & 0xFF:02X}"
             ),
         }
+        if spec.reset_methods:
+            attributes["reset_method"] = " ".join(spec.reset_methods)
+            attributes["reset"] = ""
         if spec.sriov_total is not None:
             attributes["sriov_totalvfs"] = str(spec.sriov_total)
             attributes["sriov_numvfs"] = str(spec.sriov_num)
@@ -162,6 +168,8 @@ class _Builder:
             driver_dir.mkdir(parents=True, exist_ok=True)
             self._link(path / "driver", driver_dir)
             self._link(driver_dir / spec.bdf, path)
+            if spec.driver == "nvidia":
+                self._nvidia_gpu(spec.bdf)
         if spec.physfn is not None:
             self._link(path / "physfn", self._device_path(spec.physfn))
             siblings = [f.bdf for f in self.spec.functions if f.physfn == spec.physfn]
@@ -180,6 +188,16 @@ class _Builder:
             self._link(path / "iommu_group", group_dir)
             if is_vfio_driver(spec.driver):
                 self._vfio_device(path)
+
+    def _nvidia_gpu(self, bdf: str) -> None:
+        """What the NVIDIA driver adds per GPU: /proc/driver/nvidia/gpus/<BDF>/ with its minor
+        and the unbindLock, and /dev/nvidia<minor>."""
+        gpus = self.root / "proc/driver/nvidia/gpus"
+        minor = len(list(gpus.iterdir())) if gpus.is_dir() else 0
+        (gpus / bdf).mkdir(parents=True)
+        (gpus / bdf / "information").write_text(f"Model:\t\t NVIDIA GPU\nDevice Minor:\t {minor}\n")
+        (gpus / bdf / "unbindLock").write_text("0\n")
+        (self.root / "dev" / f"nvidia{minor}").touch()
 
     def _vfio_device(self, path: Path) -> None:
         index = self.next_cdev
@@ -451,6 +469,9 @@ def scale(count: int = 4096) -> HostSpec:
             driver="vfio-pci",
             group=index // 8,
             numa_node=(index // 256) % 2,
+            # Discovery does not read reset entries by default; leaving them out keeps the
+            # benchmark's tree the same as before they were simulated.
+            reset_methods=(),
         )
         for index in range(count)
     )

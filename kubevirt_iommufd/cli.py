@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from deviceplugin import command as plugin_command
 from hostdev.errors import HostdevError
-from kubevirt_iommufd import certs_command, demo, inspect_command
+from kubevirt_iommufd import bind_command, certs_command, demo, inspect_command
 from launcher_hook import command as hook_command
 from webhook import command as webhook_command
 
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     inspect_command.add_parser(commands)
+    bind_command.add_parser(commands)
     plugin_command.add_parser(commands)
     webhook_command.add_parser(commands)
     hook_command.add_parser(commands)

@@ -62,9 +62,11 @@ def run(args: argparse.Namespace) -> int:
     names = _pci_ids(args.pci_ids)
     if args.example:
         with tempfile.TemporaryDirectory(prefix="kubevirt-iommufd-example-") as tree:
-            inventory = scan_host(build_tree(SCENARIOS[args.example](), Path(tree)))
+            inventory = scan_host(
+                build_tree(SCENARIOS[args.example](), Path(tree)), reset_methods=True
+            )
     else:
-        inventory = scan_host(args.root)
+        inventory = scan_host(args.root, reset_methods=True)
     missing = [bdf for bdf in only if inventory.function(bdf) is None]
     if missing:
         listed = ", ".join(str(b) for b in missing)

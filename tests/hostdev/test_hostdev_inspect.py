@@ -162,6 +162,8 @@ def test_json_document(
             "assignable": True,
             "backend": "iommufd",
             "reasons": [],
+            "reset_methods": ["flr", "bus"],
+            "warnings": [],
         }
     ]
 

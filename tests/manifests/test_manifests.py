@@ -112,17 +112,24 @@ def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
     spec = daemonset["spec"]["template"]["spec"]
     assert spec["priorityClassName"] == "system-node-critical"
     assert spec["automountServiceAccountToken"] is False
-    host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host_paths == {
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert set(host_paths.values()) == {
         "/var/lib/kubelet/device-plugins",
         "/var/lib/kubelet/pod-resources",
         "/dev",
         "/sys",
         "/var/run/kubevirt-iommufd",
+        "/",
     }
     mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
-    assert mounts["sys"]["readOnly"] and mounts["dev"]["readOnly"]
-    assert mounts["pod-resources"]["readOnly"]
+    assert mounts["dev"]["readOnly"] and mounts["pod-resources"]["readOnly"]
+    # Only the init container that binds reserved devices sees the host's root, read-only.
+    assert "host" not in mounts
+    (reserve,) = spec["initContainers"]
+    assert reserve["args"][0] == "bind"
+    init_mounts = {m["name"]: m for m in reserve["volumeMounts"]}
+    assert init_mounts["host"] == {"name": "host", "mountPath": "/host", "readOnly": True}
+    assert spec["hostPID"] is True
     handoff = next(v for v in spec["volumes"] if v["name"] == "handoff")["hostPath"]["path"]
     # The kubelet mounts each hand-off socket into launchers from the host path, so the plugin
     # must see it at the same path.
@@ -138,11 +145,14 @@ def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
     )
     parsed = yaml.safe_load(plugin_config["data"]["plugin.yaml"])
     assert parsed["iommufd"]["socketDir"] == handoff
+    assert "--from-config=/etc/kubevirt-iommufd/reservations.yaml" in reserve["args"]
+    assert "reservations.yaml" in plugin_config["data"]
     assert spec["containers"][0]["livenessProbe"]["httpGet"]["port"] == "metrics"
 
 
 def test_plugin_and_webhook_configs_load() -> None:
     from deviceplugin.config import parse_config as parse_plugin_config
+    from hostdev.reservations import parse_reservations
     from webhook.config import parse_config as parse_webhook_config
 
     for overlay in OVERLAYS:
@@ -150,6 +160,8 @@ def test_plugin_and_webhook_configs_load() -> None:
             data = config_map["data"]
             if "plugin.yaml" in data:
                 parse_plugin_config(yaml.safe_load(data["plugin.yaml"]))
+            if "reservations.yaml" in data:
+                parse_reservations(yaml.safe_load(data["reservations.yaml"]))
             if "webhook.yaml" in data:
                 config = parse_webhook_config(yaml.safe_load(data["webhook.yaml"]))
                 if overlay == "self-signed-with-hook":

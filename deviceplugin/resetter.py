@@ -1,0 +1,161 @@
+"""The shell around deviceplugin.reset_policy: holds the reset state for the manager's thread,
+runs resets in a worker thread and reports them back as events, and logs every step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from deviceplugin.inventory import DeviceTree
+from deviceplugin.podresources_client import AssignmentsSeen
+from deviceplugin.reset_policy import (
+    Key,
+    ResetState,
+    ResetTiming,
+    observe_allocation,
+    observe_assignments,
+    observe_reset,
+    overlay_resets,
+    tracked_devices,
+    unhealthy_reasons,
+)
+from hostdev.bdf import Bdf
+from hostdev.errors import HostdevError
+from hostdev.model import HostInventory
+from hostdev.reset import ResetOutcome, ResetStatus, reset_function
+from hostdev.sysfs_write import SysfsWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DevicesAllocated:
+    resource: str
+    device_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ResetFinished:
+    key: Key
+    outcome: ResetOutcome
+    at: float
+
+
+class ResetCoordinator:
+    def __init__(
+        self,
+        root: Path,
+        writer: SysfsWriter,
+        emit: Callable[[ResetFinished], None],
+        clock: Callable[[], float],
+        timing: ResetTiming | None = None,
+    ) -> None:
+        self._root = root
+        self._writer = writer
+        self._emit = emit
+        self._clock = clock
+        self._timing = timing or ResetTiming()
+        self._state = ResetState()
+        self._unavailable: str | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reset")
+
+    def overlay(self, tree: DeviceTree) -> DeviceTree:
+        return overlay_resets(tree, unhealthy_reasons(self._state))
+
+    def allocated(self, event: DevicesAllocated) -> None:
+        self._state = observe_allocation(
+            self._state, event.resource, event.device_ids, self._clock()
+        )
+
+    def unavailable(self, error: str) -> None:
+        if self._unavailable != error:
+            log.warning(
+                "cannot learn device assignments; devices are not reset until it works error=%r",
+                error,
+            )
+        self._unavailable = error
+
+    def assignments(
+        self, seen: AssignmentsSeen, tree: DeviceTree, inventory: HostInventory
+    ) -> bool:
+        """Fold in a List; True when some device's health changed."""
+        if self._unavailable is not None:
+            log.info("pod resources API answers again")
+            self._unavailable = None
+        before = unhealthy_reasons(self._state)
+        self._state, start = observe_assignments(
+            self._state, tracked_devices(tree), seen.assigned, seen.at, self._timing
+        )
+        for key in start:
+            log.info(
+                "resetting device resource=%s device=%s why=%r",
+                key[0],
+                key[1],
+                self._state.devices[key].message,
+            )
+            self._submit(key, inventory)
+        return unhealthy_reasons(self._state) != before
+
+    def finished(self, event: ResetFinished) -> bool:
+        outcome = event.outcome
+        resource, device = event.key
+        if outcome.status is ResetStatus.RESET:
+            log.info(
+                "device reset resource=%s device=%s methods=%s",
+                resource,
+                device,
+                " ".join(outcome.methods),
+            )
+        elif outcome.status is ResetStatus.NO_METHOD:
+            log.warning(
+                "device has no reset method; offering it again without a reset resource=%s"
+                " device=%s",
+                resource,
+                device,
+            )
+        elif outcome.status is ResetStatus.BUSY:
+            log.info(
+                "device still in use; reset retried resource=%s device=%s why=%r",
+                resource,
+                device,
+                outcome.message,
+            )
+        else:
+            log.error(
+                "device reset failed resource=%s device=%s error=%r",
+                resource,
+                device,
+                outcome.message,
+            )
+        before = unhealthy_reasons(self._state)
+        self._state = observe_reset(
+            self._state, event.key, outcome.status.value, outcome.message, event.at
+        )
+        return unhealthy_reasons(self._state) != before
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _submit(self, key: Key, inventory: HostInventory) -> None:
+        bdf = Bdf.parse(key[1])
+        function = inventory.function(bdf)
+        if function is None:
+            gone = ResetOutcome(bdf, ResetStatus.FAILED, (), f"{bdf} is no longer on this host")
+            self._emit(ResetFinished(key, gone, self._clock()))
+            return
+        group = inventory.group_of(function)
+
+        def run() -> ResetOutcome:
+            try:
+                return reset_function(self._root, function, group, self._writer)
+            except (HostdevError, OSError) as error:
+                return ResetOutcome(bdf, ResetStatus.FAILED, (), f"resetting {bdf} failed: {error}")
+
+        def done(future: Future[ResetOutcome]) -> None:
+            if not future.cancelled():
+                self._emit(ResetFinished(key, future.result(), self._clock()))
+
+        self._executor.submit(run).add_done_callback(done)

@@ -1,0 +1,181 @@
+"""A fixture tree that behaves like the kernel when written: a `SysfsWriter` (and a modprobe
+runner) reacting to `driver_override`, `unbind`, `bind`, `drivers_probe`, `reset` and the NVIDIA
+`unbindLock` by moving the tree's symlinks as Linux would (hostdev.simhost.bind_driver /
+unbind_driver), with the kernel's errnos for what it would refuse, and failures to inject."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hostdev.model import is_vfio_driver
+from hostdev.simhost import bind_driver, unbind_driver
+
+Condition = Callable[[str, str], bool]
+"""(path relative to the root, text) -> whether this write fails."""
+
+
+def oserror(code: int) -> OSError:
+    return OSError(code, os.strerror(code))
+
+
+@dataclass
+class KernelSimulator:
+    root: Path
+    native: dict[str, str] = field(default_factory=dict)
+    """BDF -> the driver the kernel's own matching picks on `drivers_probe` (no override)."""
+    writes: list[tuple[str, str]] = field(default_factory=list)
+    resets: list[str] = field(default_factory=list)
+    busy_locks: set[str] = field(default_factory=set)
+    """GPUs whose NVIDIA unbindLock cannot be taken (in use)."""
+    rejects: dict[str, set[str]] = field(default_factory=dict)
+    """driver -> BDFs its probe refuses (ENODEV)."""
+    missing_modules: set[str] = field(default_factory=set)
+    commands: list[list[str]] = field(default_factory=list)
+    _failures: list[tuple[Condition, int]] = field(default_factory=list)
+
+    def fail(self, when: Condition, code: int = errno.EIO) -> None:
+        """Every later write for which `when` holds fails with `code`."""
+        self._failures.append((when, code))
+
+    # SysfsWriter ----------------------------------------------------------------------------
+    def write(self, path: Path, text: str) -> None:
+        rel = str(path.relative_to(self.root))
+        self.writes.append((rel, text))
+        for when, code in self._failures:
+            if when(rel, text):
+                raise oserror(code)
+        parts = rel.split("/")
+        value = text.strip()
+        if rel == "sys/bus/pci/drivers_probe":
+            self._probe(value)
+        elif parts[:4] == ["sys", "bus", "pci", "devices"] and len(parts) >= 6:
+            self._device_write(parts[4], "/".join(parts[5:]), text)
+        elif parts[:4] == ["sys", "bus", "pci", "drivers"] and len(parts) == 6:
+            self._driver_write(parts[4], parts[5], value)
+        elif parts[:4] == ["proc", "driver", "nvidia", "gpus"] and parts[5:] == ["unbindLock"]:
+            self._unbind_lock(parts[4], value)
+        else:
+            raise oserror(errno.EACCES)
+
+    def _device_write(self, bdf: str, attribute: str, text: str) -> None:
+        device = self.root / "sys/bus/pci/devices" / bdf
+        if attribute == "driver_override":
+            (device / "driver_override").write_text((text.strip() or "(null)") + "\n")
+        elif attribute == "driver/unbind":
+            driver = self.driver(bdf)
+            if driver is None:
+                raise oserror(errno.ENOENT)  # no driver link, so no driver/unbind
+            if text.strip() != bdf:
+                raise oserror(errno.ENODEV)
+            self._unbind(bdf, driver)
+        elif attribute == "reset":
+            if not (device / "reset").exists():
+                raise oserror(errno.ENOENT)
+            self.resets.append(bdf)
+        else:
+            raise oserror(errno.EACCES)
+
+    def _driver_write(self, driver: str, attribute: str, bdf: str) -> None:
+        if not (self.root / "sys/bus/pci/drivers" / driver).is_dir():
+            raise oserror(errno.ENOENT)
+        if attribute == "unbind":
+            if self.driver(bdf) != driver:
+                raise oserror(errno.ENODEV)
+            self._unbind(bdf, driver)
+        elif attribute == "bind":
+            if self.driver(bdf) is not None:
+                raise oserror(errno.EBUSY)
+            override = self.override(bdf)
+            if (override is not None and override != driver) or bdf in self.rejects.get(
+                driver, set()
+            ):
+                raise oserror(errno.ENODEV)
+            self._bind(bdf, driver)
+        else:
+            raise oserror(errno.EACCES)
+
+    def _probe(self, bdf: str) -> None:
+        if self.driver(bdf) is not None:
+            return
+        driver = self.override(bdf) or self.native.get(bdf)
+        if driver is None or not (self.root / "sys/bus/pci/drivers" / driver).is_dir():
+            return  # nothing claims it: probe succeeds, the device stays driverless
+        if bdf not in self.rejects.get(driver, set()):
+            self._bind(bdf, driver)
+
+    def _unbind_lock(self, bdf: str, value: str) -> None:
+        lock = self.root / "proc/driver/nvidia/gpus" / bdf / "unbindLock"
+        if not lock.exists():
+            raise oserror(errno.ENOENT)
+        taken = value == "1" and bdf not in self.busy_locks
+        lock.write_text("1\n" if taken else "0\n")
+
+    def _bind(self, bdf: str, driver: str) -> None:
+        bind_driver(self.root, bdf, driver)
+        if driver == "nvidia":
+            gpu = self.root / "proc/driver/nvidia/gpus" / bdf
+            gpu.mkdir(parents=True, exist_ok=True)
+            (gpu / "information").write_text("Device Minor:\t 0\n")
+            (gpu / "unbindLock").write_text("0\n")
+
+    def _unbind(self, bdf: str, driver: str) -> None:
+        unbind_driver(self.root, bdf)
+        if driver == "nvidia":
+            # The NVIDIA driver's per-GPU /proc entries go with the GPU.
+            gpu = self.root / "proc/driver/nvidia/gpus" / bdf
+            for entry in gpu.iterdir():
+                entry.unlink()
+            gpu.rmdir()
+
+    # Runner (modprobe) --------------------------------------------------------------------
+    def run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        self.commands.append(list(argv))
+        module = argv[-1]
+        if module in self.missing_modules:
+            return subprocess.CompletedProcess(
+                list(argv), 1, "", f"modprobe: FATAL: Module {module} not found in directory\n"
+            )
+        # vfio_pci registers its driver as vfio-pci; variant drivers use the module name.
+        name = "vfio-pci" if module == "vfio_pci" else module
+        (self.root / "sys/bus/pci/drivers" / name).mkdir(parents=True, exist_ok=True)
+        return subprocess.CompletedProcess(list(argv), 0, "", "")
+
+    # Reading the tree back ------------------------------------------------------------------
+    def driver(self, bdf: str) -> str | None:
+        link = self.root / "sys/bus/pci/devices" / bdf / "driver"
+        return link.readlink().name if link.is_symlink() else None
+
+    def override(self, bdf: str) -> str | None:
+        path = self.root / "sys/bus/pci/devices" / bdf / "driver_override"
+        text = path.read_text().strip() if path.exists() else "(null)"
+        return None if text == "(null)" else text
+
+
+def hold(root: Path, pid: int, command: str, *paths: str) -> None:
+    """A process `pid` named `command` holding `paths` open, as /proc shows it."""
+    proc = root / "proc" / str(pid)
+    (proc / "fd").mkdir(parents=True, exist_ok=True)
+    (proc / "comm").write_text(command + "\n")
+    for number, path in enumerate(paths, start=3):
+        (proc / "fd" / str(number)).symlink_to(path)
+    # Every process also holds ordinary files, which must not count.
+    if not (proc / "fd/0").is_symlink():
+        (proc / "fd/0").symlink_to("/dev/null")
+
+
+def release(root: Path, pid: int) -> None:
+    proc = root / "proc" / str(pid)
+    for entry in (proc / "fd").iterdir():
+        entry.unlink()
+    (proc / "fd").rmdir()
+    (proc / "comm").unlink()
+    proc.rmdir()
+
+
+def on_vfio(simulator: KernelSimulator, bdf: str) -> bool:
+    return is_vfio_driver(simulator.driver(bdf))
