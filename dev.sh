@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One entry point for people and CI: ./dev.sh run | test | lint | bench | stubs | setup
+# One entry point for people and CI: ./dev.sh run | test | lint | bench | stubs | setup | system-test
 #   run    set up, then run the end-to-end demo on a simulated node (no cluster, no GPU)
 #   test   set up, then run the test suite
 #   lint   set up, then ruff (lint + format check) and mypy
 #   bench  set up, then run every benchmark in bench/
 #   stubs  set up, then regenerate the gRPC stubs from proto/
+#   system-test  set up, then (as root) boot a real iommufd kernel under QEMU and run the whole path
 # Setup installs what is missing and nothing else: Debian packages (as root, with apt-get) that
 # the Python dependencies need to build or run, then a virtualenv in .venv with the project and
 # its dev tools. It is quick when everything is already there.
@@ -85,8 +86,12 @@ case "$command" in
         setup
         exec "$VENV/bin/python" proto/generate.py "$@"
         ;;
+    system-test)
+        setup
+        exec "$VENV/bin/python" tests/system/run.py "$@"
+        ;;
     *)
-        sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
         [ -z "$command" ] || exit 2
         ;;
 esac

@@ -9,12 +9,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from deviceplugin.config import ConfigError, PluginConfig, default_config, load_config
-from deviceplugin.iommufd_handoff import HandoffConfig, HandoffError, IommufdHandoff
-from deviceplugin.manager import PluginManager
-from deviceplugin.metrics import PluginMetrics
 from hostdev.pciids import PciIds
+
+if TYPE_CHECKING:
+    from deviceplugin.iommufd_handoff import IommufdHandoff
 
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
 log = logging.getLogger("deviceplugin")
@@ -64,6 +65,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here so that the command's other subcommands start without gRPC and Prometheus.
+    from deviceplugin.manager import PluginManager
+    from deviceplugin.metrics import PluginMetrics
+
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -120,6 +125,8 @@ def apply_flags(config: PluginConfig, args: argparse.Namespace) -> PluginConfig:
 
 
 def _handoff(config: PluginConfig, root: Path) -> IommufdHandoff:
+    from deviceplugin.iommufd_handoff import HandoffConfig, HandoffError, IommufdHandoff
+
     iommufd = config.iommufd
     try:
         return IommufdHandoff(

@@ -54,7 +54,36 @@ def _stream(
             yield snapshot
 
 
-class VfioServicer:
+class _Streaming:
+    """What every resource's servicer shares: its snapshots, streamed to each ListAndWatch, and
+    the options it tells the kubelet."""
+
+    snapshots: Feed[api_pb2.ListAndWatchResponse]
+
+    @property
+    def options(self) -> api_pb2.DevicePluginOptions:
+        return api_pb2.DevicePluginOptions()
+
+    def close(self) -> None:
+        self.snapshots.close()
+
+    def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> api_pb2.DevicePluginOptions:
+        return self.options
+
+    def ListAndWatch(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> Iterator[api_pb2.ListAndWatchResponse]:
+        return _stream(self.snapshots, context)
+
+    def PreStartContainer(
+        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreStartContainerResponse:
+        return api_pb2.PreStartContainerResponse()
+
+
+class VfioServicer(_Streaming):
     """One VFIO resource: its devices, Allocate and the preferred allocation."""
 
     def __init__(
@@ -79,24 +108,11 @@ class VfioServicer:
         self._resource = resource
         self.snapshots.publish(_vfio_snapshot(resource))
 
-    def close(self) -> None:
-        self.snapshots.close()
-
     @property
     def options(self) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(
             pre_start_required=False, get_preferred_allocation_available=True
         )
-
-    def GetDevicePluginOptions(
-        self, request: api_pb2.Empty, context: grpc.ServicerContext
-    ) -> api_pb2.DevicePluginOptions:
-        return self.options
-
-    def ListAndWatch(
-        self, request: api_pb2.Empty, context: grpc.ServicerContext
-    ) -> Iterator[api_pb2.ListAndWatchResponse]:
-        return _stream(self.snapshots, context)
 
     def Allocate(
         self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
@@ -152,11 +168,6 @@ class VfioServicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return api_pb2.PreferredAllocationResponse(container_responses=answers)
 
-    def PreStartContainer(
-        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
-    ) -> api_pb2.PreStartContainerResponse:
-        return api_pb2.PreStartContainerResponse()
-
 
 class Handoff(Protocol):
     """Prepares the one-shot socket that hands a launcher its iommufd fd."""
@@ -171,7 +182,7 @@ def _iommufd_snapshot(slots: int, healthy: bool) -> api_pb2.ListAndWatchResponse
     )
 
 
-class IommufdServicer:
+class IommufdServicer(_Streaming):
     """`devices.kubevirt.io/iommufd`: N interchangeable slots, Healthy while /dev/iommu exists;
     Allocate gives /dev/iommu and a fresh socket that hands over a prepared iommufd fd."""
 
@@ -197,23 +208,6 @@ class IommufdServicer:
     def update(self, healthy: bool) -> None:
         self._healthy = healthy
         self.snapshots.publish(_iommufd_snapshot(self._slots, healthy))
-
-    def close(self) -> None:
-        self.snapshots.close()
-
-    @property
-    def options(self) -> api_pb2.DevicePluginOptions:
-        return api_pb2.DevicePluginOptions()
-
-    def GetDevicePluginOptions(
-        self, request: api_pb2.Empty, context: grpc.ServicerContext
-    ) -> api_pb2.DevicePluginOptions:
-        return self.options
-
-    def ListAndWatch(
-        self, request: api_pb2.Empty, context: grpc.ServicerContext
-    ) -> Iterator[api_pb2.ListAndWatchResponse]:
-        return _stream(self.snapshots, context)
 
     def Allocate(
         self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
@@ -272,8 +266,3 @@ class IommufdServicer:
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> api_pb2.PreferredAllocationResponse:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "slots are interchangeable")
-
-    def PreStartContainer(
-        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
-    ) -> api_pb2.PreStartContainerResponse:
-        return api_pb2.PreStartContainerResponse()

@@ -16,10 +16,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from cryptography import x509
-
-from kubevirt_iommufd.certs import build_serving_certificate
-
 log = logging.getLogger("kubevirt_iommufd.certs")
 
 
@@ -102,6 +98,8 @@ def ensure_certificate(core: Any, admission: Any, target: CertsTarget) -> None:
     from kubernetes.client import V1ObjectMeta, V1Secret
     from kubernetes.client.exceptions import ApiException
 
+    from kubevirt_iommufd.certs import build_serving_certificate
+
     secret = None
     try:
         secret = core.read_namespaced_secret(target.secret, target.namespace)
@@ -156,6 +154,9 @@ def ensure_certificate(core: Any, admission: Any, target: CertsTarget) -> None:
 
 def renewal_reason(data: dict[str, str], target: CertsTarget, now: datetime.datetime) -> str | None:
     """Why the Secret's certificate must be replaced, or None while it is good."""
+    # Here rather than at the top: the command's other subcommands need no X.509.
+    from cryptography import x509
+
     if not {"tls.crt", "tls.key", "ca.crt"} <= data.keys():
         return "no certificate yet"
     try:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from deviceplugin import command as plugin_command
 from hostdev.errors import HostdevError
-from kubevirt_iommufd import bind_command, certs_command, demo, inspect_command
+from kubevirt_iommufd import bind_command, certs_command, demo_command, inspect_command
 from launcher_hook import command as hook_command
 from webhook import command as webhook_command
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugin_command.add_parser(commands)
     webhook_command.add_parser(commands)
     hook_command.add_parser(commands)
-    demo.add_parser(commands)
+    demo_command.add_parser(commands)
     certs_command.add_parser(commands)
     return parser
 

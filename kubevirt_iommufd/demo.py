@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from string import Template
@@ -43,8 +43,9 @@ from deviceplugin.naming import pci_resource_env
 from hostdev.pciids import PciIds
 from hostdev.report import build_report, render_table
 from hostdev.scan import scan_host
-from hostdev.simhost import HostSpec, build_tree, hgx_h100, legacy_only
+from hostdev.simhost import build_tree, hgx_h100
 from kubevirt_iommufd.certs import build_serving_certificate
+from kubevirt_iommufd.demo_command import SCENARIOS, Scenario
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 from launcher_hook.capabilities import LibvirtVersionSource
 from launcher_hook.domain import DECISION_NS
@@ -60,59 +61,6 @@ from webhook.server import WebhookServer
 
 IOMMUFD_RESOURCE = "devices.kubevirt.io/iommufd"
 IOMMUFD_LIMIT = "devices.kubevirt.io~1iommufd"
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    description: str
-    node: Callable[[], HostSpec]
-    libvirt: str
-    backend: str
-    """What the hook should choose for the VM's GPUs."""
-
-
-SCENARIOS = {
-    "iommufd": Scenario(
-        "8 H100 GPUs on vfio-pci, a kernel with iommufd and VFIO cdevs, libvirt 12.9",
-        hgx_h100,
-        "12.9.0",
-        "iommufd",
-    ),
-    "legacy-node": Scenario(
-        "the same GPUs on Debian bookworm's 6.1 kernel: no iommufd, no cdevs, libvirt 12.9",
-        legacy_only,
-        "12.9.0",
-        "legacy",
-    ),
-    "old-libvirt": Scenario(
-        "8 H100 GPUs with iommufd and cdevs, but the launcher's libvirt is 11.10",
-        hgx_h100,
-        "11.10.0",
-        "legacy",
-    ),
-}
-
-
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    demo = commands.add_parser(
-        "demo",
-        help="run the whole flow on a simulated node: plugin, webhook, fd hand-off, hook",
-        description=(
-            "Build a simulated node, run the real device plugin against a kubelet stand-in,"
-            " admit a virt-launcher pod through the real webhook over HTTPS, allocate GPUs and"
-            " an iommufd fd over gRPC, and rewrite the domain with the real launcher hook over"
-            " its gRPC socket, printing each step. Exit 0 only when every step did what it"
-            " should."
-        ),
-    )
-    demo.add_argument(
-        "--scenario",
-        choices=sorted(SCENARIOS),
-        default="iommufd",
-        help="iommufd (default), legacy-node or old-libvirt: the last two show the fall-back",
-    )
-    demo.add_argument("--verbose", action="store_true", help="also print the components' logs")
-    demo.set_defaults(run=run)
 
 
 class Checks:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
 
 from webhook.config import Config, ConfigError, read_config
-from webhook.server import ListenError, WebhookServer, serve_until_signalled
-from webhook.tls import TlsError
 
 PROG = "kubevirt-iommufd webhook"
 
@@ -54,6 +51,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here so that the command's other subcommands start without the server's stack.
+    import asyncio
+
+    from webhook.server import ListenError, WebhookServer, serve_until_signalled
+    from webhook.tls import TlsError
+
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hostdev.simhost import legacy_only
-from kubevirt_iommufd import demo
+from kubevirt_iommufd import demo_command
 from kubevirt_iommufd.cli import main
 
 
@@ -76,8 +76,8 @@ def test_a_failed_check_fails_the_demo(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The hook is told to expect iommufd where the node can only do legacy VFIO.
-    wrong = demo.Scenario("mislabelled", legacy_only, "12.9.0", "iommufd")
-    monkeypatch.setitem(demo.SCENARIOS, "legacy-node", wrong)
+    wrong = demo_command.Scenario("mislabelled", legacy_only, "12.9.0", "iommufd")
+    monkeypatch.setitem(demo_command.SCENARIOS, "legacy-node", wrong)
     code, out = run_demo(capsys, "legacy-node")
     assert code == 1
     assert "FAIL both GPUs on iommufd" in out
