@@ -138,6 +138,22 @@ def refresh_host(
     return HostInventory(tuple(functions), groups, _read_capabilities(base, functions, groups))
 
 
+def read_function(root: Path | str, bdf: Bdf) -> PciFunction | None:
+    """One function, read as `scan_host` reads it (its IOMMU group from its own link); None when
+    the host has no such function. For callers that need a few devices, not the whole host."""
+    base = Path(root)
+    link = f"{base / PCI_DEVICES}/{bdf}"
+    group = _link_name(f"{link}/iommu_group")
+    return _read_function(
+        link,
+        str(bdf),
+        bdf,
+        int(group) if group else None,
+        _read_pci_consumers(base),
+        _listdir_or_empty(base / "dev/vfio/devices"),
+    )
+
+
 def _with_cdev_presence(function: PciFunction, cdev_nodes: set[str]) -> PciFunction:
     present = function.vfio_cdev is not None and function.vfio_cdev in cdev_nodes
     if present == function.vfio_cdev_present:

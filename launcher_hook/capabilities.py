@@ -3,8 +3,9 @@
 Only the few entries the domain's PCI host devices need are read, at each OnDefineDomain: a full
 `hostdev.scan_host` costs ~140 ms on a 4,096-function node, and the devices' cdevs are what
 matters at the moment the domain is defined, not when the sidecar started. Paths are joined
-under `root` (`/` in a pod, a fixture tree in tests). The checks mirror `hostdev.scan`: a cdev is
-`sys/bus/pci/devices/<BDF>/vfio-dev/vfioN` with a `dev` file, and its `/dev/vfio/devices/vfioN`.
+under `root` (`/` in a pod, a fixture tree in tests). Each device is read by `hostdev.scan`: a
+cdev is `sys/bus/pci/devices/<BDF>/vfio-dev/vfioN` with a `dev` file, and its
+`/dev/vfio/devices/vfioN`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hostdev.bdf import Bdf
-from hostdev.model import is_vfio_driver
+from hostdev.errors import HostdevError
+from hostdev.model import PciFunction, is_vfio_driver
+from hostdev.scan import read_function
 from launcher_hook.model import Capabilities, DeviceSupport, LibvirtVersion, Sourced
 
 log = logging.getLogger(__name__)
@@ -44,40 +47,25 @@ def read_device_support(root: Path, bdf: Bdf, *, require_node: bool = True) -> D
     """The device's cdev. With `require_node` its /dev node must exist under `root` too; without,
     the kernel's sysfs entry is enough - for a sidecar, whose /dev never shows the nodes the
     device plugin gave the compute container."""
-    device = root / "sys/bus/pci/devices" / str(bdf)
     try:
-        if not device.exists():
-            return DeviceSupport(None, f"no PCI function {bdf} on this node")
-        names = _vfio_dev_names(device)
-        if not names:
-            return DeviceSupport(None, _why_no_vfio_dev(device))
-        with_dev = [name for name in names if (device / "vfio-dev" / name / "dev").exists()]
-        if not with_dev:
-            return DeviceSupport(None, "no VFIO cdev: the kernel lacks CONFIG_VFIO_DEVICE_CDEV")
-        cdev = with_dev[0]
-        if require_node and not (root / "dev/vfio/devices" / cdev).exists():
-            return DeviceSupport(None, f"no VFIO cdev node: /dev/vfio/devices/{cdev} is missing")
-        return DeviceSupport(cdev, None)
-    except OSError as error:
+        function = read_function(root, bdf)
+    except HostdevError as error:
         # Unreadable sysfs means unknown, and unknown means legacy, never a broken domain.
-        where = error.filename or device
-        return DeviceSupport(None, f"cannot read {where}: {error.strerror or error}")
+        return DeviceSupport(None, str(error))
+    if function is None:
+        return DeviceSupport(None, f"no PCI function {bdf} on this node")
+    if function.vfio_cdev is None:
+        return DeviceSupport(None, _why_no_cdev(function))
+    if require_node and not function.vfio_cdev_present:
+        return DeviceSupport(None, f"no VFIO cdev node: {function.cdev_path} is missing")
+    return DeviceSupport(function.vfio_cdev, None)
 
 
-def _vfio_dev_names(device: Path) -> list[str]:
-    try:
-        return sorted(p.name for p in (device / "vfio-dev").iterdir() if p.name.startswith("vfio"))
-    except FileNotFoundError:
-        return []
-
-
-def _why_no_vfio_dev(device: Path) -> str:
-    try:
-        driver: str | None = (device / "driver").readlink().name
-    except FileNotFoundError:
-        driver = None
-    if not is_vfio_driver(driver):
-        return f"no VFIO cdev: bound to {driver or 'no driver'}, not to a VFIO driver"
+def _why_no_cdev(function: PciFunction) -> str:
+    if function.vfio_sysfs_without_cdev:
+        return "no VFIO cdev: the kernel lacks CONFIG_VFIO_DEVICE_CDEV"
+    if not is_vfio_driver(function.driver):
+        return f"no VFIO cdev: bound to {function.driver or 'no driver'}, not to a VFIO driver"
     return "no VFIO cdev: the kernel gave the device none (needs Linux >= 6.6)"
 
 

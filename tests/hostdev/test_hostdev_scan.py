@@ -12,7 +12,7 @@ from conftest import BuildHost
 from hostdev.bdf import Bdf
 from hostdev.errors import HostReadError, RootNotFound
 from hostdev.model import GroupMember
-from hostdev.scan import refresh_host, scan_host
+from hostdev.scan import read_function, refresh_host, scan_host
 from hostdev.simhost import (
     CLASS_3D,
     NVIDIA,
@@ -338,3 +338,11 @@ def test_refresh_drops_a_removed_function(build_host: BuildHost) -> None:
     assert [str(f.bdf) for f in refreshed.functions] == ["0000:3b:00.0"]
     group = refreshed.group(14)
     assert group is not None and group.viable
+
+
+def test_read_function_reads_one_as_the_scan_does(scenario_root: ScenarioRoot) -> None:
+    root = scenario_root("vga-audio")
+    inventory = scan_host(root)
+    for function in inventory.functions:
+        assert read_function(root, function.bdf) == function
+    assert read_function(root, B("0000:99:00.0")) is None
