@@ -85,6 +85,9 @@ class IommufdConfig:
     socket_gid: int = KUBEVIRT_QEMU_ID
     socket_mode: int = 0o660
     handoff_timeout_seconds: float = 900.0
+    without_iommu_legacy: bool = False
+    """`withoutIommu: legacy`: on a node without /dev/iommu keep the slots allocatable and hand
+    out nothing (the launcher stays on legacy VFIO), rather than mark them Unhealthy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +301,7 @@ def _iommufd(data: object, key: str) -> IommufdConfig:
         "socketOwner",
         "socketMode",
         "handoffTimeoutSeconds",
+        "withoutIommu",
     }
     _known_keys(item, key, allowed)
     defaults = IommufdConfig()
@@ -343,7 +347,15 @@ def _iommufd(data: object, key: str) -> IommufdConfig:
             f"{key}.handoffTimeoutSeconds",
             low=1,
         ),
+        without_iommu_legacy=_without_iommu(item.get("withoutIommu", "unhealthy"), key),
     )
+
+
+def _without_iommu(value: object, key: str) -> bool:
+    choice = _string(value, f"{key}.withoutIommu")
+    if choice not in ("unhealthy", "legacy"):
+        raise ConfigError(f'{key}.withoutIommu: expected "unhealthy" or "legacy", got {choice!r}')
+    return choice == "legacy"
 
 
 def _mapping(value: object, key: str) -> Mapping[str, Any]:

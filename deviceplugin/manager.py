@@ -153,6 +153,7 @@ class PluginManager:
                 self._tree.iommufd_healthy,
                 self._handoff,
                 self._metrics.allocation,
+                legacy_without_iommu=iommufd.without_iommu_legacy,
             )
             self._serve(iommufd.resource_name, self._iommufd)
             self._count_iommufd()
@@ -344,10 +345,16 @@ class PluginManager:
             self._close_servicer(name)
             self._unregistered.discard(name)
             self._metrics.forget_resource(name)
-        if self._iommufd is not None and self._iommufd.healthy != tree.iommufd_healthy:
-            state = "healthy" if tree.iommufd_healthy else "unhealthy"
-            log.info("resource %s resource=%s cause=%r", state, self._iommufd.resource_name, cause)
+        if self._iommufd is not None and self._iommufd.node_present != tree.iommufd_healthy:
             self._iommufd.update(tree.iommufd_healthy)
+            state = "healthy" if self._iommufd.healthy else "unhealthy"
+            log.info(
+                "resource %s resource=%s iommu_node=%s cause=%r",
+                state,
+                self._iommufd.resource_name,
+                "present" if tree.iommufd_healthy else "missing",
+                cause,
+            )
             self._count_iommufd()
 
     def _count_iommufd(self) -> None:

@@ -183,31 +183,43 @@ def _iommufd_snapshot(slots: int, healthy: bool) -> api_pb2.ListAndWatchResponse
 
 
 class IommufdServicer(_Streaming):
-    """`devices.kubevirt.io/iommufd`: N interchangeable slots, Healthy while /dev/iommu exists;
-    Allocate gives /dev/iommu and a fresh socket that hands over a prepared iommufd fd."""
+    """`devices.kubevirt.io/iommufd`: N interchangeable slots; Allocate gives /dev/iommu and a
+    fresh socket that hands over a prepared iommufd fd.
+
+    Without /dev/iommu the slots are Unhealthy, unless `legacy_without_iommu`: then they stay
+    allocatable and Allocate hands out nothing, so a launcher pod that asks for the resource still
+    schedules on such a node and its VM stays on legacy VFIO (virt-launcher uses iommufd only
+    when /dev/iommu is in the pod)."""
 
     def __init__(
         self,
         resource_name: str,
         slots: int,
-        healthy: bool,
+        node_present: bool,
         handoff: Handoff,
         observe: AllocationObserver,
+        *,
+        legacy_without_iommu: bool = False,
     ) -> None:
         self.resource_name = resource_name
         self._slots = slots
-        self._healthy = healthy
+        self._node_present = node_present
+        self._legacy = legacy_without_iommu
         self._handoff = handoff
         self._observe = observe
-        self.snapshots = Feed(_iommufd_snapshot(slots, healthy))
+        self.snapshots = Feed(_iommufd_snapshot(slots, self.healthy))
+
+    @property
+    def node_present(self) -> bool:
+        return self._node_present
 
     @property
     def healthy(self) -> bool:
-        return self._healthy
+        return self._node_present or self._legacy
 
-    def update(self, healthy: bool) -> None:
-        self._healthy = healthy
-        self.snapshots.publish(_iommufd_snapshot(self._slots, healthy))
+    def update(self, node_present: bool) -> None:
+        self._node_present = node_present
+        self.snapshots.publish(_iommufd_snapshot(self._slots, self.healthy))
 
     def Allocate(
         self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
@@ -215,12 +227,25 @@ class IommufdServicer(_Streaming):
         if not request.container_requests:
             self._observe(self.resource_name, "refused")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.resource_name}: empty request")
-        if not self._healthy:
-            self._observe(self.resource_name, "refused")
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{self.resource_name}: {IOMMU_NODE} is missing on this node; the kernel needs"
-                " CONFIG_IOMMUFD and the plugin pod needs the host's /dev",
+        if not self._node_present:
+            if not self._legacy:
+                self._observe(self.resource_name, "refused")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{self.resource_name}: {IOMMU_NODE} is missing on this node; the kernel"
+                    " needs CONFIG_IOMMUFD and the plugin pod needs the host's /dev",
+                )
+            log.info(
+                "allocated resource=%s slots=%s without %s: the launcher stays on legacy VFIO",
+                self.resource_name,
+                ",".join(d for c in request.container_requests for d in c.devices_ids),
+                IOMMU_NODE,
+            )
+            self._observe(self.resource_name, "ok")
+            return api_pb2.AllocateResponse(
+                container_responses=[
+                    api_pb2.ContainerAllocateResponse() for _ in request.container_requests
+                ]
             )
         responses = []
         for container in request.container_requests:

@@ -142,8 +142,12 @@ def _plugin(
     socket_dir = work / "fds"
     config = replace(
         default_config(),
+        # As the shipped manifests: a node without /dev/iommu keeps the slots allocatable.
         iommufd=IommufdConfig(
-            socket_dir=socket_dir, socket_uid=os.getuid(), socket_gid=os.getgid()
+            socket_dir=socket_dir,
+            socket_uid=os.getuid(),
+            socket_gid=os.getgid(),
+            without_iommu_legacy=True,
         ),
     )
     handoff = IommufdHandoff(
@@ -189,17 +193,8 @@ def _step_plugin(kubelet: KubeletStandIn, checks: Checks, *, iommufd: bool) -> s
         f"{gpu}: all 8 GPUs Healthy, each with its NUMA node",
     )
     iommufd_health = set(kubelet.health(IOMMUFD_RESOURCE).values())
-    if iommufd:
-        checks.check(iommufd_health == {"Healthy"}, f"{IOMMUFD_RESOURCE}: 110 slots, Healthy")
-    else:
-        checks.check(
-            iommufd_health == {"Unhealthy"},
-            f"{IOMMUFD_RESOURCE}: 110 slots, Unhealthy (this node has no /dev/iommu)",
-        )
-        checks.show(
-            "note: a pod that asks for it cannot be scheduled here; see docs/troubleshooting.md"
-            " for clusters that mix such nodes"
-        )
+    where = "" if iommufd else " (no /dev/iommu here: allocatable, for launchers on legacy VFIO)"
+    checks.check(iommufd_health == {"Healthy"}, f"{IOMMUFD_RESOURCE}: 110 slots, Healthy{where}")
     return gpu
 
 
@@ -293,7 +288,7 @@ def _step_allocate(
         env == {pci_resource_env(resource): ",".join(chosen)},
         "PCI_RESOURCE_* lists the two allocated GPUs, in order",
     )
-    iommufd_node = kubelet.health(IOMMUFD_RESOURCE).get("iommufd-000") == "Healthy"
+    iommufd_node = (root / "dev/iommu").exists()
     cdevs = [n for n in nodes if n.startswith("/dev/vfio/devices/")]
     if iommufd_node:
         checks.check(
@@ -306,6 +301,13 @@ def _step_allocate(
     )
     if iommufd_node:
         _handoff(kubelet, handoff, checks, root)
+    else:
+        (slot,) = kubelet.allocate(IOMMUFD_RESOURCE, ["iommufd-000"]).container_responses
+        checks.show(f"Allocate {IOMMUFD_RESOURCE} -> nothing (this node has no /dev/iommu)")
+        checks.check(
+            not slot.devices and not slot.mounts,
+            "the pod still schedules here and its launcher stays on legacy VFIO",
+        )
     return chosen
 
 

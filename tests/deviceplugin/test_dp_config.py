@@ -80,6 +80,9 @@ def test_json_file(tmp_path: Path) -> None:
     config = load_config(path)
     assert config.device_mode is DeviceMode.LEGACY
     assert not config.iommufd.enabled
+    assert not config.iommufd.without_iommu_legacy
+    legacy = parse_config({"iommufd": {"withoutIommu": "legacy"}})
+    assert legacy.iommufd.without_iommu_legacy
     assert config.resources == default_config().resources
 
 
@@ -160,6 +163,10 @@ def test_default_is_nvidia_gpus_and_nvswitches_on_vfio() -> None:
         ({"iommufd": {"socketMode": "rw"}}, "iommufd.socketMode: expected an octal mode"),
         ({"iommufd": {"socketOwner": {"user": 1}}}, "iommufd.socketOwner.user: unknown key"),
         ({"iommufd": {"enabled": "yes"}}, "iommufd.enabled: expected true or false, got 'yes'"),
+        (
+            {"iommufd": {"withoutIommu": "ignore"}},
+            'iommufd.withoutIommu: expected "unhealthy" or "legacy", got \'ignore\'',
+        ),
         (
             {"iommufd": {"resourceName": "kubernetes.io/iommu"}},
             "iommufd.resourceName: 'kubernetes.io/iommu' is in a namespace Kubernetes reserves",

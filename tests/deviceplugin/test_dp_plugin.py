@@ -309,3 +309,30 @@ def test_stop_removes_every_socket(start_plugin: Callable[..., Plugin]) -> None:
     plugin.stop()
     assert list(directory.glob("kubevirt-iommufd-*.sock")) == []
     assert (directory / "kubelet.sock").exists()
+
+
+def test_legacy_node_keeps_iommufd_slots_allocatable_when_configured(
+    start_plugin: Callable[..., Plugin],
+) -> None:
+    config = replace(
+        default_config(),
+        iommufd=replace(default_config().iommufd, without_iommu_legacy=True),
+    )
+    plugin = start_plugin("legacy-only", config)
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(IOMMUFD)
+    assert set(kubelet.health(IOMMUFD).values()) == {"Healthy"}
+    (container,) = kubelet.allocate(IOMMUFD, ["iommufd-000"]).container_responses
+    # Nothing handed out: no /dev/iommu in the pod, so the launcher stays on legacy VFIO.
+    assert list(container.devices) == [] and list(container.mounts) == []
+    assert plugin.handoff.stats().pending == 0
+    # Once the node has /dev/iommu, the same slots hand over a prepared fd.
+    (plugin.root / "dev/iommu").touch()
+    deadline = time.monotonic() + 2
+    while True:
+        (container,) = kubelet.allocate(IOMMUFD, ["iommufd-001"]).container_responses
+        if container.mounts or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert [d.host_path for d in container.devices] == ["/dev/iommu"]
+    assert container.mounts[0].container_path == "/var/run/kubevirt/iommufd.sock"
