@@ -14,7 +14,7 @@ import os
 import re
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hostdev.bdf import Bdf, is_bdf
@@ -32,6 +32,7 @@ from hostdev.model import (
 PCI_DEVICES = "sys/bus/pci/devices"
 IOMMU_GROUPS = "sys/kernel/iommu_groups"
 DEVLINKS = "sys/class/devlink"
+VFIO_DEVICES = "sys/class/vfio-dev"
 _MODALIAS = re.compile(
     r"pci:v([0-9A-F]{8})d([0-9A-F]{8})sv([0-9A-F]{8})sd([0-9A-F]{8})"
     r"bc([0-9A-F]{2})sc([0-9A-F]{2})i([0-9A-F]{2})"
@@ -51,8 +52,7 @@ def scan_host(root: Path | str = "/", *, reset_methods: bool = False) -> HostInv
         raise RootNotFound(str(root))
     group_members = _read_group_members(base)
     group_of = {name: number for number, names in group_members.items() for name in names}
-    consumers = _read_pci_consumers(base)
-    cdev_nodes = _listdir_or_empty(base / "dev/vfio/devices")
+    links = _read_host_links(base)
     devices_dir = str(base / PCI_DEVICES)
     functions: list[PciFunction] = []
     for name in sorted(_listdir_or_empty(devices_dir)):
@@ -61,9 +61,7 @@ def scan_host(root: Path | str = "/", *, reset_methods: bool = False) -> HostInv
             bdf = Bdf.parse(name)
         except InvalidBdf:
             raise HostReadError(link, "not a PCI address", _READ_FIX) from None
-        function = _read_function(
-            link, name, bdf, group_of.get(name), consumers, cdev_nodes, reset_methods
-        )
+        function = _read_function(link, name, bdf, group_of.get(name), links, reset_methods)
         if function is not None:
             functions.append(function)
     groups = _build_groups(base, group_members, functions)
@@ -95,26 +93,18 @@ def refresh_host(
         for f in previous.functions
         if is_vfio_driver(f.driver) and f.vfio_cdev is None and not f.vfio_sysfs_without_cdev
     }
-    consumers = _read_pci_consumers(base)
-    cdev_nodes = _listdir_or_empty(base / "dev/vfio/devices")
-    devices_dir = str(base / PCI_DEVICES)
-    fresh: list[PciFunction] = []
-    for bdf in changed:
-        link = f"{devices_dir}/{bdf}"
-        group = _link_name(f"{link}/iommu_group")
-        function = _read_function(
-            link,
-            str(bdf),
-            bdf,
-            int(group) if group else None,
-            consumers,
-            cdev_nodes,
-            reset_methods,
-        )
-        if function is not None:
-            fresh.append(function)
+    links = _read_host_links(base)
+    fresh = [
+        function
+        for function in (_read_one(base, bdf, links, reset_methods) for bdf in changed)
+        if function is not None
+    ]
     functions = sorted(
-        [_with_cdev_presence(f, cdev_nodes) for f in previous.functions if f.bdf not in changed]
+        [
+            _with_cdev_presence(f, links.cdev_nodes)
+            for f in previous.functions
+            if f.bdf not in changed
+        ]
         + fresh,
         key=lambda f: f.bdf,
     )
@@ -142,16 +132,14 @@ def read_function(root: Path | str, bdf: Bdf) -> PciFunction | None:
     """One function, read as `scan_host` reads it (its IOMMU group from its own link); None when
     the host has no such function. For callers that need a few devices, not the whole host."""
     base = Path(root)
+    return _read_one(base, bdf, _read_host_links(base), reset_methods=False)
+
+
+def _read_one(base: Path, bdf: Bdf, links: _HostLinks, reset_methods: bool) -> PciFunction | None:
+    """A function outside a full scan: its group comes from its own `iommu_group` link."""
     link = f"{base / PCI_DEVICES}/{bdf}"
     group = _link_name(f"{link}/iommu_group")
-    return _read_function(
-        link,
-        str(bdf),
-        bdf,
-        int(group) if group else None,
-        _read_pci_consumers(base),
-        _listdir_or_empty(base / "dev/vfio/devices"),
-    )
+    return _read_function(link, str(bdf), bdf, int(group) if group else None, links, reset_methods)
 
 
 def _with_cdev_presence(function: PciFunction, cdev_nodes: set[str]) -> PciFunction:
@@ -174,6 +162,44 @@ def _build_groups(
         )
         for number, names in sorted(group_members.items())
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _HostLinks:
+    """Host-wide listings each function's reading needs, read once per scan."""
+
+    consumers: dict[str, list[Bdf]]
+    cdev_nodes: set[str]
+    vfio_names: dict[str, list[str]]
+
+
+def _read_host_links(base: Path) -> _HostLinks:
+    return _HostLinks(
+        consumers=_read_pci_consumers(base),
+        cdev_nodes=_listdir_or_empty(base / "dev/vfio/devices"),
+        vfio_names=_read_vfio_names(base),
+    )
+
+
+def _read_vfio_names(base: Path) -> dict[str, list[str]]:
+    """VFIO device entries by PCI function, from one listing of /sys/class/vfio-dev (Linux >=
+    6.1), whose entries link to `<function>/vfio-dev/vfioN`: a readlink each, where listing every
+    function's vfio-dev directory cost a directory read each."""
+    directory = base / VFIO_DEVICES
+    owners: dict[str, list[str]] = defaultdict(list)
+    for name in _listdir_or_empty(directory):
+        try:
+            target = os.readlink(f"{directory}/{name}")
+        except FileNotFoundError:
+            continue  # went away while we listed
+        except OSError as error:
+            raise HostReadError(
+                f"{directory}/{name}", error.strerror or str(error), _READ_FIX
+            ) from error
+        parts = target.rsplit("/", 3)
+        if len(parts) == 4 and parts[2] == "vfio-dev" and parts[3] == name:
+            owners[parts[1]].append(name)
+    return owners
 
 
 def _read_group_members(base: Path) -> dict[int, list[str]]:
@@ -211,8 +237,7 @@ def _read_function(
     name: str,
     bdf: Bdf,
     group: int | None,
-    consumers: dict[str, list[Bdf]],
-    cdev_nodes: set[str],
+    links: _HostLinks,
     reset_methods: bool = False,
 ) -> PciFunction | None:
     try:
@@ -242,7 +267,9 @@ def _read_function(
         driver = read.link_name("driver")
         # Only a device bound to a VFIO driver has a vfio-dev entry.
         vfio_cdev, vfio_without_cdev = (
-            read.vfio_cdev(cdev_nodes) if is_vfio_driver(driver) else (None, False)
+            read.vfio_cdev(links.vfio_names.get(name, ()), links.cdev_nodes)
+            if is_vfio_driver(driver)
+            else (None, False)
         )
         numa_node = read.integer("numa_node")
         return PciFunction(
@@ -262,9 +289,9 @@ def _read_function(
             physfn=Bdf.parse(physfn) if physfn else None,
             modalias=modalias,
             upstream=_upstream_bridges(target, name),
-            consumers=tuple(consumers.get(name, ())),
+            consumers=tuple(links.consumers.get(name, ())),
             vfio_cdev=vfio_cdev,
-            vfio_cdev_present=vfio_cdev is not None and vfio_cdev in cdev_nodes,
+            vfio_cdev_present=vfio_cdev is not None and vfio_cdev in links.cdev_nodes,
             vfio_sysfs_without_cdev=vfio_without_cdev,
             reset_methods=read.reset_methods() if reset_methods else None,
         )
@@ -361,14 +388,10 @@ class _DeviceReader:
         except OSError as error:
             raise self._error(name, error.strerror or str(error)) from error
 
-    def vfio_cdev(self, cdev_nodes: set[str]) -> tuple[str | None, bool]:
-        """The device's VFIO cdev name, and whether it has a vfio-dev entry without one."""
-        try:
-            names = sorted(n for n in os.listdir(f"{self._path}/vfio-dev") if n.startswith("vfio"))
-        except FileNotFoundError:
-            return None, False
-        except OSError as error:
-            raise self._error("vfio-dev", error.strerror or str(error)) from error
+    def vfio_cdev(self, names: Iterable[str], cdev_nodes: set[str]) -> tuple[str | None, bool]:
+        """The device's VFIO cdev among its vfio-dev entries `names`, and whether it has an
+        entry without one."""
+        names = sorted(names)
         for cdev in names:
             # A /dev node proves the cdev; without one, look for the `dev` attribute: vfio-dev/vfioN
             # exists since Linux 6.1, but only CONFIG_VFIO_DEVICE_CDEV gives it a char device.
@@ -378,6 +401,8 @@ class _DeviceReader:
                 os.stat(f"vfio-dev/{cdev}/dev", dir_fd=self._fd)
             except FileNotFoundError:
                 continue
+            except OSError as error:
+                raise self._error(f"vfio-dev/{cdev}/dev", error.strerror or str(error)) from error
             return cdev, False
         return None, bool(names)
 

@@ -2,7 +2,8 @@
 
 A `HostSpec` says what a node has; `build_tree` writes it under a directory the way Linux lays it
 out: `/sys/bus/pci/devices/<BDF>` symlinks into `/sys/devices/pci…/`, `driver` and `iommu_group`
-links, `/sys/kernel/iommu_groups/N/devices/`, `vfio-dev/vfioN/dev`, `/dev/vfio/N`,
+links, `/sys/kernel/iommu_groups/N/devices/`, `vfio-dev/vfioN/dev` (and its
+`/sys/class/vfio-dev/vfioN` link), `/dev/vfio/N`,
 `/dev/vfio/vfio`, `/dev/vfio/devices/vfioN` and `/dev/iommu`. Device nodes are empty regular files:
 discovery only checks that they exist.
 """
@@ -206,6 +207,7 @@ class _Builder:
             return
         entry = path / "vfio-dev" / f"vfio{index}"
         entry.mkdir(parents=True)
+        self._link(self.sys / "class/vfio-dev" / entry.name, entry)
         if self.spec.vfio_cdev:
             (entry / "dev").write_text(f"{VFIO_CDEV_MAJOR}:{index}\n")
             nodes = self.root / "dev/vfio/devices"
@@ -233,6 +235,7 @@ def unbind_driver(root: Path, bdf: str) -> None:
     if not is_vfio_driver(driver):
         return
     for entry in sorted((device / "vfio-dev").glob("vfio*")):
+        (root / "sys/class/vfio-dev" / entry.name).unlink(missing_ok=True)
         (root / "dev/vfio/devices" / entry.name).unlink(missing_ok=True)
         (entry / "dev").unlink(missing_ok=True)
         entry.rmdir()
@@ -255,6 +258,7 @@ def bind_driver(root: Path, bdf: str, driver: str, *, cdev: bool = True) -> None
         index = next(i for i in range(len(taken) + 1) if f"vfio{i}" not in taken)
         entry = device / "vfio-dev" / f"vfio{index}"
         entry.mkdir(parents=True)
+        _Builder._link(root / "sys/class/vfio-dev" / entry.name, entry)
         if cdev:
             (entry / "dev").write_text(f"{VFIO_CDEV_MAJOR}:{index}\n")
             (root / "dev/vfio/devices").mkdir(parents=True, exist_ok=True)
