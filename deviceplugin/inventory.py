@@ -109,13 +109,19 @@ def build_device_tree(
     reusable = previous._sources if previous and previous._basis == (caps, config) else {}
     sources: dict[Bdf, _Source] = {}
     grouped: dict[str, list[VfioDevice]] = {}
+    # Members of a group share one siblings tuple and, mostly, one tuple of nodes: on a
+    # 4,096-function node that is the difference of a few megabytes.
+    siblings_of: dict[int, tuple[PciFunction | None, ...]] = {}
+    shared_nodes: dict[tuple[str, ...], tuple[str, ...]] = {}
     for function in inventory.functions:
         group = inventory.group_of(function)
-        siblings = (
-            tuple(inventory.function(m.bdf) for m in group.members if m.bdf is not None)
-            if group is not None
-            else ()
-        )
+        siblings: tuple[PciFunction | None, ...] = ()
+        if group is not None:
+            if group.number not in siblings_of:
+                siblings_of[group.number] = tuple(
+                    inventory.function(m.bdf) for m in group.members if m.bdf is not None
+                )
+            siblings = siblings_of[group.number]
         source = reusable.get(function.bdf)
         if not (
             source is not None
@@ -125,7 +131,9 @@ def build_device_tree(
         ):
             chosen = _resource_for(function, config.resources, names, before.get(function.bdf))
             resource, reset = chosen if chosen else (None, False)
-            device = _device(function, inventory, config.device_mode) if resource else None
+            device = (
+                _device(function, inventory, config.device_mode, shared_nodes) if resource else None
+            )
             source = _Source(function, group, siblings, resource, device, reset)
         sources[function.bdf] = source
         if source.resource is not None and source.device is not None:
@@ -192,7 +200,12 @@ def _matches_driver(function: PciFunction, selectors: Selectors) -> bool:
     )
 
 
-def _device(function: PciFunction, inventory: HostInventory, mode: DeviceMode) -> VfioDevice:
+def _device(
+    function: PciFunction,
+    inventory: HostInventory,
+    mode: DeviceMode,
+    shared_nodes: dict[tuple[str, ...], tuple[str, ...]],
+) -> VfioDevice:
     caps = inventory.capabilities
     group = inventory.group_of(function)
     problems = list(blockers(function, group, caps))
@@ -213,6 +226,7 @@ def _device(function: PciFunction, inventory: HostInventory, mode: DeviceMode) -
             nodes.append(IOMMU_NODE)
         if mode is not DeviceMode.IOMMUFD and not legacy_gaps(group, caps):
             nodes.extend((VFIO_CONTAINER_NODE, group.legacy_node))
+    node_tuple = tuple(nodes)
     return VfioDevice(
         bdf=function.bdf,
         healthy=not problems,
@@ -220,5 +234,5 @@ def _device(function: PciFunction, inventory: HostInventory, mode: DeviceMode) -
         driver=function.driver,
         numa_node=function.numa_node,
         switch=function.upstream[:-1],
-        device_nodes=tuple(nodes),
+        device_nodes=shared_nodes.setdefault(node_tuple, node_tuple),
     )

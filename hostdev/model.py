@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -88,7 +89,9 @@ class PciFunction:
     @property
     def cdev_path(self) -> str | None:
         """Container/host path of the cdev node, when the kernel gave the device one."""
-        return f"/dev/vfio/devices/{self.vfio_cdev}" if self.vfio_cdev else None
+        # Interned: every device of a group lists its siblings' paths, and a 4,096-function host
+        # would otherwise hold each path once per sibling.
+        return sys.intern(f"/dev/vfio/devices/{self.vfio_cdev}") if self.vfio_cdev else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +123,7 @@ class IommuGroup:
 
     @property
     def legacy_node(self) -> str:
-        return f"/dev/vfio/{self.number}"
+        return sys.intern(f"/dev/vfio/{self.number}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,10 @@ subsystem/class come from the one `modalias` file, and device links come from on
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -250,6 +252,8 @@ def _read_function(
     try:
         read = _DeviceReader(link, fd)
         modalias = read.text("modalias")
+        if modalias is not None:
+            modalias = sys.intern(modalias)
         ids: tuple[int, int, int | None, int | None, int] | None = (
             _ids_from_modalias(modalias) if modalias else None
         )
@@ -299,9 +303,11 @@ def _read_function(
         os.close(fd)
 
 
+@functools.lru_cache(maxsize=1024)
 def _ids_from_modalias(modalias: str) -> tuple[int, int, int, int, int] | None:
     """Vendor, device, subsystem ids and class from `modalias`, which the kernel builds from the
-    same fields as the separate attribute files: one read instead of five."""
+    same fields as the separate attribute files: one read instead of five. Cached: a node's
+    functions come in few kinds, so most are parsed once and share their ids."""
     match = _MODALIAS.fullmatch(modalias)
     if match is None:
         return None
@@ -382,7 +388,8 @@ class _DeviceReader:
 
     def link_name(self, name: str) -> str | None:
         try:
-            return os.path.basename(os.readlink(name, dir_fd=self._fd))
+            # Interned: thousands of functions share a handful of driver names.
+            return sys.intern(os.path.basename(os.readlink(name, dir_fd=self._fd)))
         except FileNotFoundError:
             return None
         except OSError as error:
