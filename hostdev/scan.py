@@ -133,8 +133,14 @@ def refresh_host(
 def read_function(root: Path | str, bdf: Bdf) -> PciFunction | None:
     """One function, read as `scan_host` reads it (its IOMMU group from its own link); None when
     the host has no such function. For callers that need a few devices, not the whole host."""
+    return read_functions(root, [bdf])[bdf]
+
+
+def read_functions(root: Path | str, bdfs: Iterable[Bdf]) -> dict[Bdf, PciFunction | None]:
+    """`read_function` for several functions, sharing the host-wide listings."""
     base = Path(root)
-    return _read_one(base, bdf, _read_host_links(base), reset_methods=False)
+    links = _read_host_links(base)
+    return {bdf: _read_one(base, bdf, links, reset_methods=False) for bdf in bdfs}
 
 
 def _read_one(base: Path, bdf: Bdf, links: _HostLinks, reset_methods: bool) -> PciFunction | None:

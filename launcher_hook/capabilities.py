@@ -18,7 +18,7 @@ from pathlib import Path
 from hostdev.bdf import Bdf
 from hostdev.errors import HostdevError
 from hostdev.model import PciFunction, is_vfio_driver
-from hostdev.scan import read_function
+from hostdev.scan import read_functions
 from launcher_hook.model import Capabilities, DeviceSupport, LibvirtVersion, Sourced
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,22 @@ def read_capabilities(
     *,
     require_node: bool = True,
 ) -> Capabilities:
+    wanted = list(bdfs)
+    try:
+        functions = read_functions(root, wanted)
+    except HostdevError as error:
+        # Unreadable sysfs means unknown, and unknown means legacy, never a broken domain.
+        return Capabilities(
+            kernel_iommufd=read_kernel_iommufd(root),
+            devices={bdf: DeviceSupport(None, str(error)) for bdf in wanted},
+            libvirt=libvirt,
+        )
     return Capabilities(
         kernel_iommufd=read_kernel_iommufd(root),
-        devices={bdf: read_device_support(root, bdf, require_node=require_node) for bdf in bdfs},
+        devices={
+            bdf: device_support(bdf, function, require_node=require_node)
+            for bdf, function in functions.items()
+        },
         libvirt=libvirt,
     )
 
@@ -47,11 +60,13 @@ def read_device_support(root: Path, bdf: Bdf, *, require_node: bool = True) -> D
     """The device's cdev. With `require_node` its /dev node must exist under `root` too; without,
     the kernel's sysfs entry is enough - for a sidecar, whose /dev never shows the nodes the
     device plugin gave the compute container."""
-    try:
-        function = read_function(root, bdf)
-    except HostdevError as error:
-        # Unreadable sysfs means unknown, and unknown means legacy, never a broken domain.
-        return DeviceSupport(None, str(error))
+    return read_capabilities(root, [bdf], None, require_node=require_node).devices[bdf]
+
+
+def device_support(
+    bdf: Bdf, function: PciFunction | None, *, require_node: bool = True
+) -> DeviceSupport:
+    """Whether the function, as read, offers a cdev (see `read_device_support`)."""
     if function is None:
         return DeviceSupport(None, f"no PCI function {bdf} on this node")
     if function.vfio_cdev is None:
