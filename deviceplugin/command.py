@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so that the command's other subcommands start without gRPC and Prometheus.
     from deviceplugin.manager import PluginManager
     from deviceplugin.metrics import PluginMetrics
+    from deviceplugin.registration import RegistrationError
+    from hostdev.errors import HostdevError
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -107,7 +109,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        manager.start()
+        try:
+            manager.start()
+        except (HostdevError, RegistrationError) as error:
+            manager.stop()
+            print(f"kubevirt-iommufd plugin: {error}", file=sys.stderr)
+            return 1
         manager.run()
     finally:
         if handoff is not None:

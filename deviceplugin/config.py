@@ -180,10 +180,18 @@ def parse_config(data: object) -> PluginConfig:
         ) from None
     interval = _number(top.get("rescanIntervalSeconds", 30), "rescanIntervalSeconds", low=1)
     pci_ids = top.get("pciIds")
+    iommufd = _iommufd(top.get("iommufd", {}), "iommufd")
+    for index, resource in enumerate(resources):
+        # Two resources of one name would be served on one socket.
+        if resource.resource_name == iommufd.resource_name:
+            raise ConfigError(
+                f"resources[{index}].resourceName: {resource.resource_name!r} is the iommufd"
+                " resource's name (iommufd.resourceName); give the VFIO resource another"
+            )
     return PluginConfig(
         resources=resources,
         device_mode=mode,
-        iommufd=_iommufd(top.get("iommufd", {}), "iommufd"),
+        iommufd=iommufd,
         rescan_interval_seconds=interval,
         pci_ids=None if pci_ids is None else Path(_string(pci_ids, "pciIds")),
         pod_resources=_pod_resources(top.get("podResources", {}), "podResources"),

@@ -212,11 +212,13 @@ class PluginManager:
                 self._handle(batch)
             except Exception:
                 # A bug or a host in a state we did not foresee must not take the node's
-                # devices away: log it, start over from a full scan and re-register.
+                # devices away: log it, re-scan soon (not at once: the cause may persist) and
+                # re-register.
                 log.exception("handling events failed; re-scanning and re-registering")
                 self._inventory = None
                 self._unregistered |= set(self._servers)
                 self._retry_at = time.monotonic() + _RETRY_FIRST
+                next_rescan = time.monotonic() + _RETRY_FIRST
 
     def _handle(self, batch: _Batch) -> None:
         if batch.refresh or batch.rescan:
@@ -237,7 +239,8 @@ class PluginManager:
             self._lost |= removed
             self._lost_check_at = time.monotonic() + _SETTLE
         if self._lost_check_at is not None and time.monotonic() >= self._lost_check_at:
-            lost, self._lost = self._lost, set()
+            # A resource may have gone from the node since its socket did.
+            lost, self._lost = self._lost & self._servers.keys(), set()
             self._lost_check_at = None
             if (self._kubelet_dir / KUBELET_SOCKET).exists():
                 log.info("sockets removed resources=%s; serving anew", ",".join(sorted(lost)))
@@ -317,12 +320,12 @@ class PluginManager:
         """Publish what changed: new resources get a server, changed ones a new snapshot,
         vanished ones are stopped."""
         previous = self._tree
-        self._tree = tree
         for name, resource in tree.resources.items():
             old = previous.resources.get(name)
-            if old == resource:
+            if old == resource and name in self._servers:
                 continue
-            _log_health_changes(old, resource, cause)
+            if old != resource:
+                _log_health_changes(old, resource, cause)
             servicer = self._vfio.get(name)
             if servicer is None:
                 servicer = VfioServicer(
@@ -331,9 +334,12 @@ class PluginManager:
                     allocated=self._on_allocated if resource.reset_after_use else None,
                 )
                 self._vfio[name] = servicer
-                self._serve(name, servicer)
             else:
                 servicer.update(resource)
+            if name not in self._servers:
+                # Served here rather than with the servicer: a server that failed to start is
+                # tried again by the next tree.
+                self._serve(name, servicer)
             self._metrics.set_devices(
                 name, resource.healthy_count, len(resource.devices) - resource.healthy_count
             )
@@ -345,6 +351,7 @@ class PluginManager:
             self._close_servicer(name)
             self._unregistered.discard(name)
             self._metrics.forget_resource(name)
+        self._tree = tree
         if self._iommufd is not None and self._iommufd.node_present != tree.iommufd_healthy:
             self._iommufd.update(tree.iommufd_healthy)
             state = "healthy" if self._iommufd.healthy else "unhealthy"
@@ -384,7 +391,8 @@ class PluginManager:
         kubelet_socket = self._kubelet_dir / KUBELET_SOCKET
         if not kubelet_socket.exists():
             log.info("waiting for the kubelet socket=%s", kubelet_socket)
-            self._retry_at = None  # its creation is an inotify event
+            # Its creation is an inotify event; the slow retry covers a watch that was lost.
+            self._retry_at = time.monotonic() + _RETRY_MAX
             return
         for resource in sorted(self._unregistered):
             server = self._servers[resource]

@@ -45,16 +45,19 @@ class PluginServer:
         self.socket_path = socket_path
         self.servicer = servicer
         self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
         self._inode: int | None = None
 
     def start(self) -> None:
         """Serve; the kubelet dials back as soon as it gets a Register, so this comes first."""
         self.socket_path.unlink(missing_ok=True)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS))
+        executor = futures.ThreadPoolExecutor(max_workers=_WORKERS)
+        server = grpc.server(executor)
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._server = server
+        self._executor = executor
         try:
             self._inode = self.socket_path.stat().st_ino
         except FileNotFoundError:
@@ -67,6 +70,11 @@ class PluginServer:
         if server is None:
             return
         server.stop(grace).wait()
+        # grpc never shuts down the pool it was given; without this every restart (each kubelet
+        # restart) would leave its threads behind.
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
         # Remove the socket only if it is still ours: a restarted server may own the path now.
         try:
             if self._inode is not None and self.socket_path.stat().st_ino == self._inode:

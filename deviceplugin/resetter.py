@@ -153,6 +153,13 @@ class ResetCoordinator:
                 return reset_function(self._root, function, group, self._writer)
             except (HostdevError, OSError) as error:
                 return ResetOutcome(bdf, ResetStatus.FAILED, (), f"resetting {bdf} failed: {error}")
+            except Exception as error:
+                # Anything else would be dropped by the executor with no ResetFinished, leaving
+                # the device "resetting" for good; a failure is retried like any other.
+                log.exception("resetting %s failed unexpectedly", bdf)
+                return ResetOutcome(
+                    bdf, ResetStatus.FAILED, (), f"resetting {bdf} failed: {error!r}"
+                )
 
         def done(future: Future[ResetOutcome]) -> None:
             if not future.cancelled():

@@ -10,6 +10,7 @@ subsystem/class come from the one `modalias` file, and device links come from on
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -254,6 +255,8 @@ def _read_function(
     except FileNotFoundError:
         return None  # removed while we scanned (hot-unplug, SR-IOV VFs going away)
     except OSError as error:
+        if error.errno == errno.ENODEV:
+            return None
         raise HostReadError(link, error.strerror or str(error), _READ_FIX) from error
     try:
         read = _DeviceReader(link, fd)
@@ -305,6 +308,8 @@ def _read_function(
             vfio_sysfs_without_cdev=vfio_without_cdev,
             reset_methods=read.reset_methods() if reset_methods else None,
         )
+    except _DeviceGone:
+        return None  # its attributes went away under us: hot-unplug
     finally:
         os.close(fd)
 
@@ -353,6 +358,10 @@ def _read_capabilities(
     )
 
 
+class _DeviceGone(Exception):
+    """A device's attribute answered ENODEV: the device is being removed."""
+
+
 class _DeviceReader:
     """Reads the entries of one sysfs device directory through its open fd; a missing entry
     reads as None, any other failure is a HostReadError naming the path."""
@@ -378,6 +387,8 @@ class _DeviceReader:
         except FileNotFoundError:
             return None
         except OSError as error:
+            if error.errno == errno.ENODEV:
+                raise _DeviceGone from error
             raise self._error(name, error.strerror or str(error)) from error
 
     def hex(self, name: str) -> int | None:

@@ -164,6 +164,17 @@ def test_default_is_nvidia_gpus_and_nvswitches_on_vfio() -> None:
         ({"iommufd": {"socketOwner": {"user": 1}}}, "iommufd.socketOwner.user: unknown key"),
         ({"iommufd": {"enabled": "yes"}}, "iommufd.enabled: expected true or false, got 'yes'"),
         (
+            {
+                "resources": [
+                    {
+                        "resourceName": "devices.kubevirt.io/iommufd",
+                        "selectors": {"vendors": ["10de"]},
+                    }
+                ]
+            },
+            "resources[0].resourceName: 'devices.kubevirt.io/iommufd' is the iommufd resource's",
+        ),
+        (
             {"iommufd": {"withoutIommu": "ignore"}},
             'iommufd.withoutIommu: expected "unhealthy" or "legacy", got \'ignore\'',
         ),

@@ -336,3 +336,23 @@ def test_legacy_node_keeps_iommufd_slots_allocatable_when_configured(
         time.sleep(0.02)
     assert [d.host_path for d in container.devices] == ["/dev/iommu"]
     assert container.mounts[0].container_path == "/var/run/kubevirt/iommufd.sock"
+
+
+def test_kubelet_restarts_leave_no_threads_behind(start_plugin: Callable[..., Plugin]) -> None:
+    plugin = start_plugin()
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(H100)
+    kubelet.wait_registered(IOMMUFD)
+    kubelet.allocate(H100, ["0000:18:00.0"])
+    before = threading.active_count()
+    for run in range(2, 7):
+        kubelet.restart()
+        kubelet.wait_registered(H100, count=run, timeout=5)
+        kubelet.wait_registered(IOMMUFD, count=run, timeout=5)
+        kubelet.allocate(H100, ["0000:18:00.0"])
+    # Each restart replaces both servers; their worker pools must go with them (the stand-in's
+    # own stream threads for dead streams end too).
+    deadline = time.monotonic() + 3
+    while threading.active_count() > before + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before + 4

@@ -346,3 +346,26 @@ def test_read_function_reads_one_as_the_scan_does(scenario_root: ScenarioRoot) -
     for function in inventory.functions:
         assert read_function(root, function.bdf) == function
     assert read_function(root, B("0000:99:00.0")) is None
+
+
+def test_a_function_answering_enodev_is_being_removed_and_skipped(
+    build_host: BuildHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    root = build_host(vga_with_audio())
+    real_open = os.open
+    audio = device_dir(root, "0000:3b:00.1")
+
+    def open_(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if (
+            path == "revision"
+            and dir_fd is not None
+            and Path(f"/proc/self/fd/{dir_fd}").readlink() == audio
+        ):
+            raise OSError(errno.ENODEV, "No such device")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", open_)
+    assert [str(f.bdf) for f in scan_host(root).functions] == ["0000:3b:00.0"]
