@@ -20,7 +20,7 @@ log() { printf '==> %s\n' "$*" >&2; }
 system_packages() {
     # libvirt-python builds against libvirt's headers and finds them with pkg-config; pci.ids
     # gives device names.
-    local wanted=(libvirt-dev pkg-config pci.ids gcc)
+    local wanted=(libvirt-dev pkg-config pci.ids gcc libc6-dev)
     # Debian's own python3 ships venv/ensurepip and its C headers as separate packages.
     if ! "$PYTHON" -c 'import ensurepip' 2>/dev/null; then wanted+=(python3-venv); fi
     if ! "$PYTHON" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then

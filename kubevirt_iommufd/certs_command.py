@@ -68,6 +68,13 @@ def run(args: argparse.Namespace) -> int:
     from kubernetes.config.config_exception import ConfigException
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+    if args.days <= args.renew_days:
+        print(
+            f"kubevirt-iommufd certs: --days {args.days} must exceed --renew-days"
+            f" {args.renew_days}, or every run would issue a new certificate",
+            file=sys.stderr,
+        )
+        return 2
     target = CertsTarget(
         args.namespace,
         args.service,
@@ -113,7 +120,10 @@ def ensure_certificate(core: Any, admission: Any, target: CertsTarget) -> None:
         ca = base64.b64decode(data["ca.crt"])
     else:
         issued = build_serving_certificate(target.names, days=target.days)
-        ca = issued.ca_pem
+        # The webhook pods see the new Secret only when the kubelet syncs it (a minute or two):
+        # until then they serve the old certificate, so the bundle trusts both CAs. The next
+        # run, finding the certificate current, trusts the new CA alone.
+        ca = issued.ca_pem + _previous_ca(data)
         body = V1Secret(
             metadata=V1ObjectMeta(
                 name=target.secret,
@@ -173,6 +183,17 @@ def renewal_reason(data: dict[str, str], target: CertsTarget, now: datetime.date
     if missing:
         return f"it does not name {', '.join(sorted(missing))}"
     return None
+
+
+def _previous_ca(data: dict[str, str]) -> bytes:
+    from cryptography import x509
+
+    try:
+        pem = base64.b64decode(data["ca.crt"])
+        x509.load_pem_x509_certificate(pem)
+    except (KeyError, ValueError):
+        return b""
+    return pem
 
 
 def _b64(data: bytes) -> str:

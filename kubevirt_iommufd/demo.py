@@ -56,11 +56,10 @@ from launcher_hook.hooks.v1alpha3 import api_pb2 as hooks_pb2
 from launcher_hook.hooks.v1alpha3 import api_pb2_grpc as hooks_grpc
 from launcher_hook.model import LibvirtVersion, Policy
 from launcher_hook.server import HookServer
+from webhook.config import IOMMUFD_RESOURCE
 from webhook.config import parse_config as parse_webhook_config
+from webhook.plan import pointer
 from webhook.server import WebhookServer
-
-IOMMUFD_RESOURCE = "devices.kubevirt.io/iommufd"
-IOMMUFD_LIMIT = "devices.kubevirt.io~1iommufd"
 
 
 class Checks:
@@ -209,7 +208,7 @@ def _step_webhook(resource: str, checks: Checks) -> None:
     wanted = [
         {
             "op": "add",
-            "path": f"/spec/containers/{compute}/resources/{part}/{IOMMUFD_LIMIT}",
+            "path": pointer("spec", "containers", compute, "resources", part, IOMMUFD_RESOURCE),
             "value": "1",
         }
         for part in ("limits", "requests")

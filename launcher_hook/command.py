@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -108,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _add_once_options(parser)
     _add_decision_options(parser, suppress=False)
+    # The shim runs this inside the sidecar and passes no flags; a sidecar's /dev never shows
+    # the compute container's VFIO nodes, so sysfs must judge the cdevs here.
+    parser.set_defaults(cdev_check="sysfs")
     args = parser.parse_args(argv)
     args.hook_action = "on-define-domain"
     return run(args)
@@ -115,11 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _define_once(domain: str, vmi: str, define: Callable[[bytes, bytes], bytes]) -> int:
     try:
-        output = define(domain.encode(), vmi.encode())
+        output = define(os.fsencode(domain), os.fsencode(vmi))
     except HookError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
-    sys.stdout.write(output.decode())
+    # Bytes as libvirt gets them, whatever the locale's encoding.
+    sys.stdout.buffer.write(output)
     sys.stdout.flush()
     return 0
 

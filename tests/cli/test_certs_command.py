@@ -150,10 +150,31 @@ def test_an_expiring_certificate_is_renewed(api: tuple[FakeApi, client.ApiClient
         "it does not name other, other.kubevirt-iommufd, other.kubevirt-iommufd.svc,"
         " other.kubevirt-iommufd.svc.cluster.local"
     )
+    old_ca = base64.b64decode(state.secrets["webhook-tls"]["data"]["ca.crt"])
     state.secrets["webhook-tls"]["data"]["tls.crt"] = base64.b64encode(b"garbage").decode()
     run(api_client)
     assert state.writes == ["replace secret", "patch configuration"]
     assert state.secrets["webhook-tls"]["data"]["tls.crt"] != first
+    # Until the pods pick up the new Secret they serve the old certificate: trust both CAs.
+    new_ca = base64.b64decode(state.secrets["webhook-tls"]["data"]["ca.crt"])
+    bundle = base64.b64decode(state.configuration["webhooks"][0]["clientConfig"]["caBundle"])
+    assert new_ca != old_ca and bundle == new_ca + old_ca
+    state.writes.clear()
+    run(api_client)
+    assert state.writes == ["patch configuration"]
+    bundle = base64.b64decode(state.configuration["webhooks"][0]["clientConfig"]["caBundle"])
+    assert bundle == new_ca
+
+
+def test_validity_must_exceed_the_renewal_window(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "certs", "--namespace", "n", "--service", "s", "--secret", "t",
+            "--webhook-configuration", "w", "--days", "30", "--renew-days", "30",
+        ]
+    )  # fmt: skip
+    assert code == 2
+    assert "--days 30 must exceed --renew-days 30" in capsys.readouterr().err
 
 
 def test_without_a_cluster_it_fails_in_one_line(

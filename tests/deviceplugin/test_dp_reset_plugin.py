@@ -23,7 +23,7 @@ from deviceplugin.metrics import PluginMetrics
 from hostdev.pciids import PciIds
 from hostdev.simhost import hgx_h100
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn
-from kubevirt_iommufd.podresources_standin import PodResourcesStandIn
+from podresources_standin import PodResourcesStandIn
 
 H100 = "nvidia.com/H100"
 GPU = "0000:18:00.0"

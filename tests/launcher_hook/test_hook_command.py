@@ -33,6 +33,7 @@ def test_require_unmet_exits_1_with_the_reason(
 ) -> None:
     root = build_missing_cdev_node(tmp_path)
     args = ["--root", str(root), "--policy", "require", "--libvirt-version", "12.9.0"]
+    args += ["--cdev-check", "node"]
     domain = read_data("kubevirt-gpus.xml").decode()
 
     assert command.main([*args, "--vmi", vmi_json().decode(), "--domain", domain]) == 1
@@ -115,3 +116,18 @@ def test_cdev_check_in_a_sidecar_without_vfio_nodes(
 
     out, _ = capsys.readouterr()
     assert f'alias="ua-hostdevice-gpu2" bdf="0000:2a:00.0" backend="{backend}"' in out
+
+
+def test_the_shim_executable_judges_cdevs_by_sysfs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """KubeVirt's shim passes no flags, and its sidecar never sees the compute container's
+    VFIO nodes: `onDefineDomain` must not require them."""
+    root = build_missing_cdev_node(tmp_path)
+    args = ["--root", str(root), "--libvirt-version", "12.9.0"]
+    domain = read_data("kubevirt-gpus.xml").decode()
+
+    assert command.main([*args, "--vmi", vmi_json().decode(), "--domain", domain]) == 0
+
+    out, _ = capsys.readouterr()
+    assert 'alias="ua-hostdevice-gpu2" bdf="0000:2a:00.0" backend="iommufd"' in out

@@ -1,5 +1,5 @@
 """A stand-in for the kubelet's pod resources API (`v1.PodResourcesLister` on
-`pod-resources/kubelet.sock`) over real gRPC: tests and the demo say which pods hold which
+`pod-resources/kubelet.sock`) over real gRPC: tests say which pods hold which
 devices, and the plugin's List calls see exactly that. Get and GetAllocatableResources answer
 UNIMPLEMENTED (the generated servicer's default), since the plugin only lists."""
 
