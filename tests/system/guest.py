@@ -859,6 +859,56 @@ def check_nested_qemu(run: Runner, plan: list[tuple[str, bool]], scratch: Path) 
 # --------------------------------------------------------------------------- main
 
 
+def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    command = [CLI, *argv]
+    say("$ " + shlex.join(command))
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    say(out.stdout + out.stderr)
+    return out
+
+
+def check_lifecycle(run: Runner, edus: list[Edu]) -> None:
+    """bind/unbind on the real sysfs (issue 8): nothing to do when bound, unbind and reprobe, a
+    refused driver leaves the device as it was, bind again; then a reset where the kernel has a
+    method for the device."""
+    first, last = edus[0], edus[-1]
+    with run.check("bind again, unbind --reprobe, refused bind, bind (CLI)") as check:
+        out = cli("bind", "--root", "/", first.bdf)
+        require(out.returncode == 0 and "nothing to do" in out.stdout, f"bound: {out.stdout}")
+        out = cli("unbind", "--root", "/", "--reprobe", "--json", last.bdf)
+        require(out.returncode == 0, f"unbind exit {out.returncode}: {out.stderr[-300:]}")
+        require(last.driver() != "vfio-pci", f"{last.bdf} still on {last.driver()}")
+        require(not Path(last.cdev_path).exists(), f"{last.cdev_path} still exists")
+        before = last.driver()
+        out = cli("bind", "--root", "/", "--driver", "no_such_vfio_driver", last.bdf)
+        require(out.returncode != 0, "binding to a driver that does not exist succeeded")
+        require(last.driver() == before, f"{last.bdf} moved to {last.driver()} on a refusal")
+        out = cli("bind", "--root", "/", "--json", last.bdf)
+        require(out.returncode == 0, f"bind exit {out.returncode}: {out.stderr[-300:]}")
+        require(last.driver() == "vfio-pci", f"{last.bdf} is on {last.driver()}")
+        last.cdev = last.read_cdev()
+        require(Path(last.cdev_path).exists(), f"{last.cdev_path} missing after the bind")
+        check.detail = f"{last.bdf}: vfio-pci -> {before or 'no driver'} -> vfio-pci ({last.cdev})"
+    with run.check("reset through sysfs where the kernel can") as check:
+        methods_file = first.sysfs / "reset_method"
+        methods = methods_file.read_text().split() if methods_file.exists() else []
+        if methods:
+            (first.sysfs / "reset").write_text("1")
+            check.detail = f"{first.bdf} reset ({' '.join(methods)})"
+        else:
+            # The emulated edu device offers none (no FLR, no PM, on the root bus): inspect
+            # must say so rather than pretend.
+            out = cli("inspect", "--root", "/", "--json", first.bdf)
+            document = json.loads(out.stdout)
+            (function,) = [
+                f for g in document["groups"] for f in g["functions"] if f["bdf"] == first.bdf
+            ]
+            require(function["reset_methods"] == [], f"reset_methods {function['reset_methods']}")
+            warned = any("no reset method" in w for w in function["warnings"])
+            require(warned, f"no warning: {function['warnings']}")
+            check.detail = f"{first.bdf} has no reset method; inspect warns"
+
+
 def run_checks(run: Runner, edus: list[Edu], scratch: Path, bind_method: str, strict: bool) -> None:
     check_bind(run, edus, bind_method)
     bound = all(c.ok for c in run.report.checks)
@@ -892,6 +942,8 @@ def run_checks(run: Runner, edus: list[Edu], scratch: Path, bind_method: str, st
         say("devices were not bound; hook and nested QEMU will report why")
     plan = check_hook(run, edus)
     check_nested_qemu(run, plan, scratch)
+    if bound:
+        check_lifecycle(run, edus)
 
 
 def main() -> int:
