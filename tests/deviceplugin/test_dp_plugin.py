@@ -16,7 +16,13 @@ import grpc
 import pytest
 
 from conftest import BuildHost
-from deviceplugin.config import DeviceMode, PluginConfig, default_config
+from deviceplugin.config import (
+    DeviceMode,
+    PluginConfig,
+    ResourceConfig,
+    Selectors,
+    default_config,
+)
 from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
@@ -356,3 +362,56 @@ def test_kubelet_restarts_leave_no_threads_behind(start_plugin: Callable[..., Pl
     while threading.active_count() > before + 4 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= before + 4
+
+
+def test_allocate_on_a_non_viable_group_is_refused_with_the_reason(
+    start_plugin: Callable[..., Plugin],
+) -> None:
+    plugin = start_plugin("vga-audio")
+    resource = "nvidia.com/2204"
+    registration = plugin.kubelet.wait_registered(resource)
+    assert plugin.kubelet.health(resource) == {"0000:3b:00.0": "Unhealthy"}
+    assert registration.topology == {"0000:3b:00.0": [0]}
+    with pytest.raises(grpc.RpcError) as caught:
+        plugin.kubelet.allocate(resource, ["0000:3b:00.0"])
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        "device 0000:3b:00.0 is unhealthy: group 14 not viable: 0000:3b:00.1 is bound to"
+        " snd_hda_intel" in str(caught.value.details())
+    )
+
+
+def test_allocate_sriov_vfs_by_explicit_resource(start_plugin: Callable[..., Plugin]) -> None:
+    config = PluginConfig(
+        resources=(
+            ResourceConfig(
+                Selectors(vendors=(0x15B3,), devices=(0x101E,)), resource_name="mellanox.com/vf"
+            ),
+        )
+    )
+    plugin = start_plugin("sriov", config)
+    plugin.kubelet.wait_registered("mellanox.com/vf")
+    assert len(plugin.kubelet.health("mellanox.com/vf")) == 4
+    (container,) = plugin.kubelet.allocate(
+        "mellanox.com/vf", ["0000:5e:00.3", "0000:5e:00.2"]
+    ).container_responses
+    assert [d.host_path for d in container.devices] == [
+        "/dev/vfio/devices/vfio1",
+        "/dev/iommu",
+        "/dev/vfio/vfio",
+        "/dev/vfio/41",
+        "/dev/vfio/devices/vfio0",
+        "/dev/vfio/40",
+    ]
+    assert dict(container.envs) == {"PCI_RESOURCE_MELLANOX_COM_VF": "0000:5e:00.3,0000:5e:00.2"}
+
+
+def test_iommufd_only_mode_on_a_legacy_host_advertises_unhealthy_devices(
+    start_plugin: Callable[..., Plugin],
+) -> None:
+    plugin = start_plugin("legacy-only", replace(default_config(), device_mode=DeviceMode.IOMMUFD))
+    plugin.kubelet.wait_registered(H100)
+    assert set(plugin.kubelet.health(H100).values()) == {"Unhealthy"}
+    with pytest.raises(grpc.RpcError) as caught:
+        plugin.kubelet.allocate(H100, ["0000:18:00.0"])
+    assert "no VFIO cdev: the kernel lacks CONFIG_VFIO_DEVICE_CDEV" in str(caught.value.details())
