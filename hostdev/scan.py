@@ -67,7 +67,7 @@ def scan_host(root: Path | str = "/", *, reset_methods: bool = False) -> HostInv
         function = _read_function(link, name, bdf, group_of.get(name), links, reset_methods)
         if function is not None:
             functions.append(function)
-    groups = _build_groups(base, group_members, functions)
+    groups = _build_groups(base, group_members, functions, _listdir_or_empty(base / "dev/vfio"))
     return HostInventory(tuple(functions), groups, _read_capabilities(base, functions, groups))
 
 
@@ -90,12 +90,16 @@ def refresh_host(
     if not base.is_dir():
         raise RootNotFound(str(root))
     # A function on a VFIO driver without its vfio-dev entry was read mid-bind (the entry and
-    # the driver link appear one after the other): read it again with the rest.
-    changed = set(changed) | {
-        f.bdf
-        for f in previous.functions
-        if is_vfio_driver(f.driver) and f.vfio_cdev is None and not f.vfio_sysfs_without_cdev
-    }
+    # the driver link appear one after the other): read it again with the rest. Kernels before
+    # 6.1 give no VFIO device an entry, and re-reading all of them at every event would undo
+    # the point of a refresh.
+    changed = set(changed)
+    if (base / VFIO_DEVICES).is_dir():
+        changed |= {
+            f.bdf
+            for f in previous.functions
+            if is_vfio_driver(f.driver) and f.vfio_cdev is None and not f.vfio_sysfs_without_cdev
+        }
     links = _read_host_links(base)
     fresh = [
         function
@@ -118,8 +122,8 @@ def refresh_host(
         names = sorted(_listdir_or_empty(base / IOMMU_GROUPS / str(number) / "devices"))
         if names:
             group_members[number] = names
-    rebuilt = {g.number: g for g in _build_groups(base, group_members, functions)}
     group_nodes = _listdir_or_empty(base / "dev/vfio")
+    rebuilt = {g.number: g for g in _build_groups(base, group_members, functions, group_nodes)}
     # Groups no event touched keep their objects (consumers compare them by identity), unless
     # their /dev/vfio node came or went.
     for kept in previous.groups:
@@ -159,10 +163,12 @@ def _with_cdev_presence(function: PciFunction, cdev_nodes: set[str]) -> PciFunct
 
 
 def _build_groups(
-    base: Path, group_members: dict[int, list[str]], functions: list[PciFunction]
+    base: Path,
+    group_members: dict[int, list[str]],
+    functions: list[PciFunction],
+    group_nodes: set[str],
 ) -> tuple[IommuGroup, ...]:
     by_name = {str(f.bdf): f for f in functions}
-    group_nodes = _listdir_or_empty(base / "dev/vfio")
     return tuple(
         IommuGroup(
             number=number,

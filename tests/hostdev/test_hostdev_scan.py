@@ -369,3 +369,14 @@ def test_a_function_answering_enodev_is_being_removed_and_skipped(
 
     monkeypatch.setattr(os, "open", open_)
     assert [str(f.bdf) for f in scan_host(root).functions] == ["0000:3b:00.0"]
+
+
+def test_refresh_keeps_untouched_functions_on_a_kernel_without_vfio_entries(
+    build_host: BuildHost,
+) -> None:
+    """Before Linux 6.1 no VFIO device has a vfio-dev entry; that is not a bind half done."""
+    root = build_host(replace(hgx_h100(), vfio_sysfs=False, vfio_cdev=False, iommufd=False))
+    before = scan_host(root)
+    after = refresh_host(root, before, [])
+    assert all(a is b for a, b in zip(after.functions, before.functions, strict=True))
+    assert after == scan_host(root)
