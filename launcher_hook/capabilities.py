@@ -1,10 +1,10 @@
 """Detection: what the node's kernel, each requested device and libvirt offer. All IO is here.
 
-Only the few entries the domain's PCI host devices need are read, at each OnDefineDomain: a full
-`hostdev.scan_host` costs ~140 ms on a 4,096-function node, and the devices' cdevs are what
-matters at the moment the domain is defined, not when the sidecar started. Paths are joined
-under `root` (`/` in a pod, a fixture tree in tests). Each device is read by `hostdev.scan`: a
-cdev is `sys/bus/pci/devices/<BDF>/vfio-dev/vfioN` with a `dev` file, and its
+Only the domain's PCI host devices are read (`hostdev.scan.read_functions`, with one pass over
+the host-wide listings), at each OnDefineDomain: a full `hostdev.scan_host` costs ~130 ms on a
+4,096-function node, and the devices' cdevs are what matters at the moment the domain is
+defined, not when the sidecar started. Paths are joined under `root` (`/` in a pod, a fixture
+tree in tests). A cdev is `sys/bus/pci/devices/<BDF>/vfio-dev/vfioN` with a `dev` file, and its
 `/dev/vfio/devices/vfioN`.
 """
 
@@ -33,7 +33,8 @@ def read_capabilities(
 ) -> Capabilities:
     wanted = list(bdfs)
     try:
-        functions = read_functions(root, wanted)
+        # A domain without PCI host devices needs no look at the host's device listings.
+        functions = read_functions(root, wanted) if wanted else {}
     except HostdevError as error:
         # Unreadable sysfs means unknown, and unknown means legacy, never a broken domain.
         return Capabilities(
