@@ -62,15 +62,18 @@ class Selectors:
 
 @dataclass(frozen=True, slots=True)
 class ResourceConfig:
-    """One VFIO resource, or (with `auto_name`) one resource per device id, named as NVIDIA's
-    kubevirt-gpu-device-plugin names them."""
+    """One VFIO resource named `resource_name`, or (without one) one resource per device id,
+    named as NVIDIA's kubevirt-gpu-device-plugin names them."""
 
     selectors: Selectors
     resource_name: str | None = None
-    auto_name: bool = False
     reset_after_use: bool = False
     """Reset a device through sysfs once the pod that had it is gone, and offer it again only
     then (assignments come from the kubelet's pod resources API)."""
+
+    @property
+    def auto_name(self) -> bool:
+        return self.resource_name is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +121,6 @@ def default_resources() -> tuple[ResourceConfig, ...]:
     return (
         ResourceConfig(
             Selectors(vendors=(NVIDIA_VENDOR,), classes=NVIDIA_CLASSES, drivers=(ANY_VFIO_DRIVER,)),
-            auto_name=True,
         ),
     )
 
@@ -225,7 +227,7 @@ def _resource(data: object, key: str) -> ResourceConfig:
         style = _string(item["autoName"], f"{key}.autoName")
         if style != "nvidia":
             raise ConfigError(f'{key}.autoName: expected "nvidia", got {style!r}')
-        return ResourceConfig(selectors, auto_name=True, reset_after_use=reset)
+        return ResourceConfig(selectors, reset_after_use=reset)
     if "resourceName" not in item:
         raise ConfigError(f"{key}: missing resourceName (or autoName: nvidia)")
     name = validate_resource_name(

@@ -77,7 +77,8 @@ class _Source:
 @dataclass(frozen=True, slots=True)
 class DeviceTree:
     resources: Mapping[str, VfioResource] = field(default_factory=dict)
-    iommufd_healthy: bool = False
+    iommu_node_present: bool = False
+    """`/dev/iommu` exists; the iommufd slots' health follows it (see `IommufdServicer`)."""
     _sources: Mapping[Bdf, _Source] = field(default_factory=dict, compare=False, repr=False)
     _basis: tuple[HostCapabilities, PluginConfig] | None = field(
         default=None, compare=False, repr=False
@@ -132,7 +133,9 @@ def build_device_tree(
             chosen = _resource_for(function, config.resources, names, before.get(function.bdf))
             resource, reset = chosen if chosen else (None, False)
             device = (
-                _device(function, inventory, config.device_mode, shared_nodes) if resource else None
+                _device(function, group, siblings, caps, config.device_mode, shared_nodes)
+                if resource
+                else None
             )
             source = _Source(function, group, siblings, resource, device, reset)
         sources[function.bdf] = source
@@ -145,7 +148,7 @@ def build_device_tree(
     }
     return DeviceTree(
         resources=MappingProxyType(resources),
-        iommufd_healthy=caps.iommufd_node_present,
+        iommu_node_present=caps.iommufd_node_present,
         _sources=sources,
         _basis=(caps, config),
     )
@@ -202,16 +205,16 @@ def _matches_driver(function: PciFunction, selectors: Selectors) -> bool:
 
 def _device(
     function: PciFunction,
-    inventory: HostInventory,
+    group: IommuGroup | None,
+    siblings: tuple[PciFunction | None, ...],
+    caps: HostCapabilities,
     mode: DeviceMode,
     shared_nodes: dict[tuple[str, ...], tuple[str, ...]],
 ) -> VfioDevice:
-    caps = inventory.capabilities
-    group = inventory.group_of(function)
     problems = list(blockers(function, group, caps))
+    no_iommufd = iommufd_gaps(function, caps)
+    no_legacy = legacy_gaps(group, caps) if group is not None else ()
     if not problems and group is not None:
-        no_iommufd = iommufd_gaps(function, caps)
-        no_legacy = legacy_gaps(group, caps)
         if mode is DeviceMode.IOMMUFD:
             problems.extend(no_iommufd)
         elif mode is DeviceMode.LEGACY:
@@ -220,11 +223,10 @@ def _device(
             problems.extend(no_iommufd + no_legacy)
     nodes: list[str] = []
     if group is not None and not problems:
-        members = [inventory.function(m.bdf) for m in group.members if m.bdf is not None]
-        if mode is not DeviceMode.LEGACY and not iommufd_gaps(function, caps):
-            nodes.extend(m.cdev_path for m in members if m and m.cdev_path and m.vfio_cdev_present)
+        if mode is not DeviceMode.LEGACY and not no_iommufd:
+            nodes.extend(m.cdev_path for m in siblings if m and m.cdev_path and m.vfio_cdev_present)
             nodes.append(IOMMU_NODE)
-        if mode is not DeviceMode.IOMMUFD and not legacy_gaps(group, caps):
+        if mode is not DeviceMode.IOMMUFD and not no_legacy:
             nodes.extend((VFIO_CONTAINER_NODE, group.legacy_node))
     node_tuple = tuple(nodes)
     return VfioDevice(

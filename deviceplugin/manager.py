@@ -150,7 +150,7 @@ class PluginManager:
             self._iommufd = IommufdServicer(
                 iommufd.resource_name,
                 iommufd.slots,
-                self._tree.iommufd_healthy,
+                self._tree.iommu_node_present,
                 self._handoff,
                 self._metrics.allocation,
                 legacy_without_iommu=iommufd.without_iommu_legacy,
@@ -352,14 +352,14 @@ class PluginManager:
             self._unregistered.discard(name)
             self._metrics.forget_resource(name)
         self._tree = tree
-        if self._iommufd is not None and self._iommufd.node_present != tree.iommufd_healthy:
-            self._iommufd.update(tree.iommufd_healthy)
+        if self._iommufd is not None and self._iommufd.node_present != tree.iommu_node_present:
+            self._iommufd.update(tree.iommu_node_present)
             state = "healthy" if self._iommufd.healthy else "unhealthy"
             log.info(
                 "resource %s resource=%s iommu_node=%s cause=%r",
                 state,
                 self._iommufd.resource_name,
-                "present" if tree.iommufd_healthy else "missing",
+                "present" if tree.iommu_node_present else "missing",
                 cause,
             )
             self._count_iommufd()

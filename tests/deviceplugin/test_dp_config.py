@@ -57,7 +57,7 @@ def test_full_yaml(tmp_path: Path) -> None:
             ),
             resource_name="example.com/h100",
         ),
-        ResourceConfig(Selectors(vendors=(0x10DE,)), auto_name=True),
+        ResourceConfig(Selectors(vendors=(0x10DE,))),
     )
     assert config.device_mode is DeviceMode.IOMMUFD
     assert config.rescan_interval_seconds == 5
