@@ -7,7 +7,6 @@ such as "10de", got "nvidia"`.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -15,9 +14,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
-
 from hostdev.bdf import Bdf
+from hostdev.documents import DocumentError, read_document
 from hostdev.errors import InvalidBdf
 
 NVIDIA_VENDOR = 0x10DE
@@ -132,29 +130,13 @@ def default_config() -> PluginConfig:
 def load_config(path: Path) -> PluginConfig:
     """Read and validate a configuration file."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(f"cannot read config {path}: {error.strerror or error}") from error
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(
-            f"config {path} is not valid JSON at line {error.lineno}, column {error.colno}:"
-            f" {error.msg}"
-        ) from error
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config {path} is not valid YAML{_yaml_problem(error)}") from error
+        data = read_document(path, "config")
+    except DocumentError as error:
+        raise ConfigError(str(error)) from error
     try:
         return parse_config({} if data is None else data)
     except ConfigError as error:
         raise ConfigError(f"config {path}: {error}") from error
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{where}: {problem}"
 
 
 def parse_config(data: object) -> PluginConfig:

@@ -13,17 +13,15 @@ suffix); every error names the key:
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hostdev.bdf import Bdf
 from hostdev.bind_plan import AUTO, BindRequest
+from hostdev.documents import DocumentError, read_document
 from hostdev.errors import HostdevError, InvalidBdf
 from hostdev.model import HostInventory
 from hostdev.selector import DeviceSelector, InvalidSelector, select_functions
@@ -46,22 +44,9 @@ class Reservation:
 
 def load_reservations(path: Path) -> tuple[Reservation, ...]:
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ReservationError(
-            f"cannot read reservations {path}: {error.strerror or error}"
-        ) from error
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as error:
-        raise ReservationError(
-            f"reservations {path} is not valid JSON at line {error.lineno}, column"
-            f" {error.colno}: {error.msg}"
-        ) from error
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ReservationError(f"reservations {path} is not valid YAML{where}") from error
+        data = read_document(path, "reservations")
+    except DocumentError as error:
+        raise ReservationError(str(error)) from error
     try:
         return parse_reservations(data)
     except ReservationError as error:

@@ -6,14 +6,13 @@ would otherwise silently inject devices into pods the operator meant to leave al
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import yaml
+from hostdev.documents import DocumentError, read_document
 
 IOMMUFD_RESOURCE = "devices.kubevirt.io/iommufd"
 DEFAULT_PREFIXES: tuple[str, ...] = ("nvidia.com/",)
@@ -78,14 +77,9 @@ class Config:
 def read_config(path: Path) -> Config:
     """Load and check a YAML or JSON (by the `.json` suffix) configuration file."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"cannot read config file {path}: {error}") from error
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as error:
-        kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise ConfigError(f"config file {path} is not valid {kind}: {error}") from error
+        data = read_document(path, "config file")
+    except DocumentError as error:
+        raise ConfigError(str(error)) from error
     try:
         return parse_config({} if data is None else data)
     except ConfigError as error:
