@@ -15,6 +15,7 @@ from pathlib import Path
 from hostdev.bdf import Bdf
 from hostdev.holders import find_holders, read_device_nodes
 from hostdev.model import IommuGroup, PciFunction
+from hostdev.scan import read_reset_methods
 from hostdev.sysfs_write import SysfsWriter
 
 
@@ -33,16 +34,6 @@ class ResetOutcome:
     status: ResetStatus
     methods: tuple[str, ...]
     message: str
-
-
-def read_reset_methods(root: Path, bdf: Bdf) -> tuple[str, ...]:
-    """As `PciFunction.reset_methods`: `reset_method`'s list, `("default",)` when only `reset`
-    exists (Linux < 5.15), `()` when neither does."""
-    device = root / "sys/bus/pci/devices" / str(bdf)
-    try:
-        return tuple((device / "reset_method").read_text(errors="replace").split())
-    except FileNotFoundError:
-        return ("default",) if (device / "reset").exists() else ()
 
 
 def reset_function(

@@ -141,6 +141,21 @@ def read_function(root: Path | str, bdf: Bdf) -> PciFunction | None:
     return read_functions(root, [bdf])[bdf]
 
 
+def read_reset_methods(root: Path | str, bdf: Bdf) -> tuple[str, ...]:
+    """`PciFunction.reset_methods` of one function, read now: a reset wants the current list."""
+    link = f"{Path(root) / PCI_DEVICES}/{bdf}"
+    try:
+        fd = os.open(link, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ()
+    except OSError as error:
+        raise HostReadError(link, error.strerror or str(error), _READ_FIX) from error
+    try:
+        return _DeviceReader(link, fd).reset_methods()
+    finally:
+        os.close(fd)
+
+
 def read_functions(root: Path | str, bdfs: Iterable[Bdf]) -> dict[Bdf, PciFunction | None]:
     """`read_function` for several functions, sharing the host-wide listings."""
     base = Path(root)
