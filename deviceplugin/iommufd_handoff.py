@@ -175,6 +175,7 @@ class IommufdHandoff:
         self._iommu_path = str(config.root / "dev/iommu")
         self._lock = threading.Lock()
         self._incoming: list[_Handoff] = []
+        self._cancelled: set[str] = set()
         self._ids: set[str] = set()
         self._served = self._expired = self._failed = 0
         self._closed = False
@@ -223,6 +224,15 @@ class IommufdHandoff:
             raise
         self._wake()
         return PreparedSocket(allocation_id, path)
+
+    def cancel(self, allocation_id: str) -> None:
+        """Withdraw a prepared hand-off nobody will claim (its Allocate failed after all): its
+        fd is closed and its socket removed now rather than at expiry."""
+        with self._lock:
+            if allocation_id not in self._ids:
+                return
+            self._cancelled.add(allocation_id)
+        self._wake()
 
     def stats(self) -> HandoffStats:
         with self._lock:
@@ -300,6 +310,9 @@ class IommufdHandoff:
         awaiting_ack: dict[_Handoff, None] = {}
         try:
             while self._take_incoming(listening):
+                # Before blocking: a cancel may have come (and its wake-up been read) before
+                # this loop took its hand-off in.
+                self._withdraw(listening)
                 waits = [next(iter(d)).deadline for d in (listening, awaiting_ack) if d]
                 timeout = max(0.0, min(waits) - time.monotonic()) if waits else None
                 for key, _ in self._selector.select(timeout):
@@ -393,6 +406,19 @@ class IommufdHandoff:
             timeout = self._config.ack_timeout_seconds
             self._finish(first, "failed", f"no ACK within {timeout:g}s")
 
+    def _withdraw(self, listening: dict[_Handoff, None]) -> None:
+        # A hand-off cancelled before this loop took it in stays asked for until it is here.
+        with self._lock:
+            cancelled = set(self._cancelled)
+        for handoff in [h for h in listening if h.allocation_id in cancelled]:
+            del listening[handoff]
+            self._finish(handoff, None, "")
+            log.info(
+                "iommufd hand-off withdrawn: allocation=%s socket=%s",
+                handoff.allocation_id,
+                handoff.path,
+            )
+
     def _stop_listening(self, handoff: _Handoff) -> None:
         self._selector.unregister(handoff.listener)
         handoff.listener.close()
@@ -407,6 +433,7 @@ class IommufdHandoff:
         _release(handoff)
         with self._lock:
             self._ids.discard(handoff.allocation_id)
+            self._cancelled.discard(handoff.allocation_id)
             if outcome == "served":
                 self._served += 1
             elif outcome == "expired":

@@ -174,6 +174,8 @@ class Handoff(Protocol):
 
     def prepare(self, allocation_id: str) -> PreparedSocket: ...
 
+    def cancel(self, allocation_id: str) -> None: ...
+
 
 def _iommufd_snapshot(slots: int, healthy: bool) -> api_pb2.ListAndWatchResponse:
     health = HEALTHY if healthy else UNHEALTHY
@@ -248,11 +250,16 @@ class IommufdServicer(_Streaming):
                 ]
             )
         responses = []
+        prepared: list[str] = []
         for container in request.container_requests:
             allocation_id = uuid.uuid4().hex[:16]
             try:
                 socket_path = self._handoff.prepare(allocation_id).host_path
             except (HandoffError, OSError) as error:
+                # The kubelet gets no answer for the containers already prepared either: their
+                # fds go back now instead of at expiry.
+                for earlier in prepared:
+                    self._handoff.cancel(earlier)
                 self._observe(self.resource_name, "refused")
                 log.error(
                     "iommufd hand-off failed allocation=%s error=%r", allocation_id, str(error)
@@ -261,6 +268,7 @@ class IommufdServicer(_Streaming):
                     grpc.StatusCode.UNAVAILABLE,
                     f"{self.resource_name}: cannot prepare an iommufd fd: {error}",
                 )
+            prepared.append(allocation_id)
             log.info(
                 "allocated resource=%s slots=%s allocation=%s socket=%s",
                 self.resource_name,

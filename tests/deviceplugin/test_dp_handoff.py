@@ -203,6 +203,24 @@ def test_unclaimed_sockets_expire(
     assert any("expired: allocation=unclaimed" in r.getMessage() for r in caplog.records)
 
 
+def test_a_cancelled_hand_off_gives_its_fd_back_at_once(
+    make_handoff: MakeHandoff, host_root: Path
+) -> None:
+    handoff = make_handoff(expiry_seconds=60)
+    withdrawn = handoff.prepare("withdrawn").host_path
+    kept = handoff.prepare("kept").host_path
+    assert len(fds_open_on(host_root / "dev/iommu")) == 2
+    handoff.cancel("withdrawn")
+    handoff.cancel("never-prepared")
+    wait_until(lambda: handoff.stats().pending == 1)
+    assert not withdrawn.exists() and kept.exists()
+    assert len(fds_open_on(host_root / "dev/iommu")) == 1
+    os.close(receive_iommufd(kept))
+    wait_until(lambda: handoff.stats().served == 1)
+    # A withdrawal is neither served, expired nor failed.
+    assert handoff.stats() == HandoffStats(served=1, expired=0, failed=0, pending=0)
+
+
 def test_served_and_unclaimed_sockets_are_tracked_apart(make_handoff: MakeHandoff) -> None:
     handoff = make_handoff(expiry_seconds=0.5)
     claimed = handoff.prepare("claimed").host_path
