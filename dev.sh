@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One entry point for people and CI: ./dev.sh run | test | lint | bench | stubs | setup | system-test
+# One entry point for people and CI: ./dev.sh run | test | lint | bench | stubs | setup | system-test | libvirt-check
 #   run    set up, then run the end-to-end demo on a simulated node (no cluster, no GPU)
 #   test   set up, then run the test suite
 #   lint   set up, then ruff (lint + format check) and mypy
 #   bench  set up, then run every benchmark in bench/
 #   stubs  set up, then regenerate the gRPC stubs from proto/
 #   system-test  set up, then (as root) boot a real iommufd kernel under QEMU and run the whole path
+#   libvirt-check  set up, then (as root) check the hook's golden outputs with a real libvirt 12.9
 # Setup installs what is missing and nothing else: Debian packages (as root, with apt-get) that
 # the Python dependencies need to build or run, then a virtualenv in .venv with the project and
 # its dev tools. It is quick when everything is already there.
@@ -90,8 +91,12 @@ case "$command" in
         setup
         exec "$VENV/bin/python" tests/system/run.py "$@"
         ;;
+    libvirt-check)
+        setup
+        exec "$VENV/bin/python" tests/system/libvirt12.py "$@"
+        ;;
     *)
-        sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
         [ -z "$command" ] || exit 2
         ;;
 esac
