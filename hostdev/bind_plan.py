@@ -162,13 +162,7 @@ def plan_bind(
     """
     wanted = {r.bdf: r.driver for r in reversed(requests)}
     refusals: list[Refusal] = [
-        Refusal(
-            r.bdf,
-            "no such PCI function on this host",
-            "check the address with `kubevirt-iommufd inspect`",
-        )
-        for r in requests
-        if inventory.function(r.bdf) is None
+        _missing(r.bdf) for r in requests if inventory.function(r.bdf) is None
     ]
     closure = group_closure(inventory, (r.bdf for r in requests))
     refusals += _foreign_group_members(inventory, closure)
@@ -214,6 +208,14 @@ def plan_bind(
     return BindPlan(tuple(moves), tuple(unchanged), _modules(moves, registered), tuple(refusals))
 
 
+def _missing(bdf: Bdf) -> Refusal:
+    return Refusal(
+        bdf,
+        "no such PCI function on this host",
+        "check the address with `kubevirt-iommufd inspect`",
+    )
+
+
 def plan_unbind(
     inventory: HostInventory,
     bdfs: Sequence[Bdf],
@@ -230,13 +232,7 @@ def plan_unbind(
     why: dict[Bdf, str] = {}
     for bdf in bdfs:
         if inventory.function(bdf) is None:
-            refusals.append(
-                Refusal(
-                    bdf,
-                    "no such PCI function on this host",
-                    "check the address with `kubevirt-iommufd inspect`",
-                )
-            )
+            refusals.append(_missing(bdf))
         why.setdefault(bdf, "requested")
     pending = list(why)
     while pending:
