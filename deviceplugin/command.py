@@ -11,7 +11,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from deviceplugin.config import ConfigError, PluginConfig, default_config, load_config
+from hostdev.config import ConfigError, PluginConfig, default_config, load_config
 from hostdev.pciids import PciIds
 
 if TYPE_CHECKING:

@@ -8,18 +8,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from deviceplugin.config import ANY_VFIO_DRIVER, DeviceMode, PluginConfig, ResourceConfig, Selectors
-from deviceplugin.naming import nvidia_resource_name, pci_resource_env
 from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
 from hostdev.bdf import Bdf
+from hostdev.config import DeviceMode, PluginConfig
 from hostdev.model import (
     HostCapabilities,
     HostInventory,
     IommuGroup,
     PciFunction,
-    is_vfio_driver,
 )
+from hostdev.naming import pci_resource_env
 from hostdev.pciids import PciIds
+from hostdev.selection import resource_for
 
 IOMMU_NODE = "/dev/iommu"
 VFIO_CONTAINER_NODE = "/dev/vfio/vfio"
@@ -130,7 +130,7 @@ def build_device_tree(
             and source.group == group
             and _same_objects(source.siblings, siblings)
         ):
-            chosen = _resource_for(function, config.resources, names, before.get(function.bdf))
+            chosen = resource_for(function, config.resources, names, before.get(function.bdf))
             resource, reset = chosen if chosen else (None, False)
             device = (
                 _device(function, group, siblings, caps, config.device_mode, shared_nodes)
@@ -156,51 +156,6 @@ def build_device_tree(
 
 def _same_objects(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
-
-
-def _resource_for(
-    function: PciFunction,
-    resources: tuple[ResourceConfig, ...],
-    names: PciIds,
-    previous_resource: str | None,
-) -> tuple[str, bool] | None:
-    """The resource a function joins, and whether that resource resets devices after use."""
-    for resource in resources:
-        if not _matches_identity(function, resource.selectors):
-            continue
-        name = _resource_name(function, resource, names)
-        if name == previous_resource or _matches_driver(function, resource.selectors):
-            return name, resource.reset_after_use
-    return None
-
-
-def _resource_name(function: PciFunction, resource: ResourceConfig, names: PciIds) -> str:
-    if resource.resource_name is not None:
-        return resource.resource_name
-    pci_name = names.device_name(function.vendor_id, function.device_id)
-    return nvidia_resource_name(pci_name, function.device_id)
-
-
-def _matches_identity(function: PciFunction, selectors: Selectors) -> bool:
-    if function.is_bridge:
-        return False
-    if selectors.vendors and function.vendor_id not in selectors.vendors:
-        return False
-    if selectors.devices and function.device_id not in selectors.devices:
-        return False
-    if selectors.pci_addresses and function.bdf not in selectors.pci_addresses:
-        return False
-    class_hex = f"{function.class_code:06x}"
-    return not selectors.classes or any(class_hex.startswith(c) for c in selectors.classes)
-
-
-def _matches_driver(function: PciFunction, selectors: Selectors) -> bool:
-    if not selectors.drivers:
-        return True
-    return any(
-        (wanted == ANY_VFIO_DRIVER and is_vfio_driver(function.driver)) or wanted == function.driver
-        for wanted in selectors.drivers
-    )
 
 
 def _device(

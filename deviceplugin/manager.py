@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deviceplugin.config import PluginConfig
 from deviceplugin.inventory import DeviceTree, VfioResource, build_device_tree
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.podresources_client import (
@@ -43,6 +42,7 @@ from deviceplugin.watch import (
     WatchEvent,
 )
 from hostdev.bdf import Bdf
+from hostdev.config import PluginConfig
 from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host

@@ -35,11 +35,11 @@ import grpc
 import yaml
 from lxml import etree
 
-from deviceplugin.config import IommufdConfig, default_config
 from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
-from deviceplugin.naming import pci_resource_env
+from hostdev.config import IommufdConfig, default_config
+from hostdev.naming import pci_resource_env
 from hostdev.pciids import PciIds
 from hostdev.report import build_report, render_table
 from hostdev.scan import scan_host

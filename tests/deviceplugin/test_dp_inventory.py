@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.config import (
+from deviceplugin.inventory import DeviceTree, build_device_tree
+from hostdev.bdf import Bdf
+from hostdev.config import (
     DeviceMode,
     PluginConfig,
     ResourceConfig,
     Selectors,
     default_config,
 )
-from deviceplugin.inventory import DeviceTree, build_device_tree
-from hostdev.bdf import Bdf
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
 from hostdev.simhost import bind_driver, unbind_driver

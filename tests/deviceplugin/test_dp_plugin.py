@@ -16,16 +16,16 @@ import grpc
 import pytest
 
 from conftest import BuildHost
-from deviceplugin.config import (
+from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
+from deviceplugin.manager import PluginManager
+from deviceplugin.metrics import PluginMetrics
+from hostdev.config import (
     DeviceMode,
     PluginConfig,
     ResourceConfig,
     Selectors,
     default_config,
 )
-from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
-from deviceplugin.manager import PluginManager
-from deviceplugin.metrics import PluginMetrics
 from hostdev.pciids import PciIds
 from hostdev.simhost import SCENARIOS, bind_driver, unbind_driver
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn

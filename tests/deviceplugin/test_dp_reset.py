@@ -8,7 +8,6 @@ import pytest
 
 from conftest import BuildHost
 from deviceplugin.command import apply_flags
-from deviceplugin.config import ConfigError, default_config, parse_config
 from deviceplugin.inventory import build_device_tree
 from deviceplugin.reset_policy import (
     RESETTING_REASON,
@@ -23,6 +22,7 @@ from deviceplugin.reset_policy import (
     tracked_devices,
     unhealthy_reasons,
 )
+from hostdev.config import ConfigError, default_config, parse_config
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
 from hostdev.simhost import hgx_h100

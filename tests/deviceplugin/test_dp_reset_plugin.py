@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import BuildHost
-from deviceplugin.config import PluginConfig, parse_config
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
+from hostdev.config import PluginConfig, parse_config
 from hostdev.pciids import PciIds
 from hostdev.simhost import hgx_h100
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn

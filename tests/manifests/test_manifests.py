@@ -151,7 +151,7 @@ def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
 
 
 def test_plugin_and_webhook_configs_load() -> None:
-    from deviceplugin.config import parse_config as parse_plugin_config
+    from hostdev.config import parse_config as parse_plugin_config
     from hostdev.reservations import parse_reservations
     from webhook.config import parse_config as parse_webhook_config
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.naming import nvidia_device_name, nvidia_resource_name, pci_resource_env
+from hostdev.naming import nvidia_device_name, nvidia_resource_name, pci_resource_env
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,6 @@
-"""The device plugin's configuration: parsed and validated on load, defaults filled in one place.
+"""The node configuration the device plugin and the DRA driver share: which PCI functions each
+resource takes and how they are handed out. Parsed and validated on load, defaults filled in one
+place.
 
 A file is YAML or JSON (JSON is read as JSON, anything else as YAML). Every error names the key
 and what was expected, for example `resources[1].selectors.vendors[0]: expected 4 hex digits

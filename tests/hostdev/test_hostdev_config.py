@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.config import (
+from hostdev.bdf import Bdf
+from hostdev.config import (
     ConfigError,
     DeviceMode,
     IommufdConfig,
@@ -15,7 +16,6 @@ from deviceplugin.config import (
     load_config,
     parse_config,
 )
-from hostdev.bdf import Bdf
 
 FULL_YAML = """\
 resources:
