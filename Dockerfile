@@ -18,6 +18,7 @@ COPY hostdev hostdev
 COPY deviceplugin deviceplugin
 COPY launcher_hook launcher_hook
 COPY webhook webhook
+COPY dra dra
 COPY kubevirt_iommufd kubevirt_iommufd
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

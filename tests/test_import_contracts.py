@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMPONENTS = ("deviceplugin", "launcher_hook", "webhook")
+COMPONENTS = ("deviceplugin", "dra", "launcher_hook", "webhook")
 FORBIDDEN = {
     "hostdev": {*COMPONENTS, "kubevirt_iommufd"},
     **{c: {*(o for o in COMPONENTS if o != c), "kubevirt_iommufd"} for c in COMPONENTS},

@@ -15,6 +15,20 @@ PROTO = REPO / "proto"
 GENERATOR = PROTO / "generate.py"
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 FIX = "run `python proto/generate.py` and commit the result"
+# Every upstream API we speak; losing one of these files would silently drop its stubs.
+EXPECTED_PROTOS = {
+    "deviceplugin/podresources/v1/api.proto",
+    "deviceplugin/v1beta1/api.proto",
+    "dra/pluginregistration/v1/api.proto",
+    "dra/v1/api.proto",
+    "dra/v1beta1/api.proto",
+    "launcher_hook/hooks/info/api.proto",
+    "launcher_hook/hooks/v1alpha1/api.proto",
+    "launcher_hook/hooks/v1alpha2/api.proto",
+    "launcher_hook/hooks/v1alpha3/api.proto",
+}
+# Components whose package directory also holds generated stubs: their __init__.py is theirs.
+COMPONENT_PACKAGES = ("deviceplugin", "dra", "launcher_hook")
 
 
 def protos() -> list[Path]:
@@ -47,7 +61,16 @@ def load_generator() -> ModuleType:
 
 
 def test_protos_exist() -> None:
-    assert protos(), f"no .proto files under {PROTO}"
+    assert {p.as_posix() for p in protos()} == EXPECTED_PROTOS
+
+
+def test_component_packages_keep_a_hand_written_docstring() -> None:
+    generated = [
+        f"{name}/__init__.py"
+        for name in COMPONENT_PACKAGES
+        if "do not edit" in (REPO / name / "__init__.py").read_text()
+    ]
+    assert not generated, f"component packages with a generated __init__.py: {generated}"
 
 
 def test_every_proto_has_committed_outputs() -> None:

@@ -1,7 +1,8 @@
 """The generated stubs speak exactly the upstream wire protocol.
 
 The tables below are written out by hand from the upstream .proto files (kubelet device plugin
-v1beta1, kubelet pod resources v1, KubeVirt hooks info/v1alpha1/v1alpha2/v1alpha3); the tests
+v1beta1, kubelet pod resources v1, kubelet plugin registration v1, kubelet DRA v1 and v1beta1 as
+in kubernetes/kubelet 63b3249724f7, KubeVirt hooks info/v1alpha1/v1alpha2/v1alpha3); the tests
 compare the generated descriptors against them, so a renamed, renumbered, retyped, added or
 dropped field, message or method fails here.
 """
@@ -21,6 +22,9 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescript
 
 from deviceplugin.podresources.v1 import api_pb2 as podresources
 from deviceplugin.v1beta1 import api_pb2 as dp
+from dra.pluginregistration.v1 import api_pb2 as pluginregistration
+from dra.v1 import api_pb2 as dra_v1
+from dra.v1beta1 import api_pb2 as dra_v1beta1
 from launcher_hook.hooks.info import api_pb2 as info
 from launcher_hook.hooks.v1alpha2 import api_pb2 as v1alpha2
 from launcher_hook.hooks.v1alpha3 import api_pb2 as v1alpha3
@@ -31,6 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "deviceplugin/v1beta1/api.proto": "deviceplugin.v1beta1",
     "deviceplugin/podresources/v1/api.proto": "deviceplugin.podresources.v1",
+    "dra/pluginregistration/v1/api.proto": "dra.pluginregistration.v1",
+    "dra/v1/api.proto": "dra.v1",
+    "dra/v1beta1/api.proto": "dra.v1beta1",
     "launcher_hook/hooks/info/api.proto": "launcher_hook.hooks.info",
     "launcher_hook/hooks/v1alpha1/api.proto": "launcher_hook.hooks.v1alpha1",
     "launcher_hook/hooks/v1alpha2/api.proto": "launcher_hook.hooks.v1alpha2",
@@ -48,6 +55,9 @@ class Method(NamedTuple):
 
 DP = "v1beta1"
 PR = "v1"
+REG = "pluginregistration"
+DRA1 = "k8s.io.kubelet.pkg.apis.dra.v1"
+DRA1B = "k8s.io.kubelet.pkg.apis.dra.v1beta1"
 INFO = "kubevirt.hooks.info"
 A1, A2, A3 = "kubevirt.hooks.v1alpha1", "kubevirt.hooks.v1alpha2", "kubevirt.hooks.v1alpha3"
 
@@ -87,6 +97,21 @@ METHODS = [
         f"/{PR}.PodResourcesLister/Get",
         f"{PR}.GetPodResourcesRequest",
         f"{PR}.GetPodResourcesResponse",
+    ),
+    Method(f"/{REG}.Registration/GetInfo", f"{REG}.InfoRequest", f"{REG}.PluginInfo"),
+    Method(
+        f"/{REG}.Registration/NotifyRegistrationStatus",
+        f"{REG}.RegistrationStatus",
+        f"{REG}.RegistrationStatusResponse",
+    ),
+    *(
+        Method(
+            f"/{pkg}.DRAPlugin/{verb}Resources",
+            f"{pkg}.{verb}ResourcesRequest",
+            f"{pkg}.{verb}ResourcesResponse",
+        )
+        for pkg in (DRA1, DRA1B)
+        for verb in ("NodePrepare", "NodeUnprepare")
     ),
     Method(f"/{INFO}.Info/Info", f"{INFO}.InfoParams", f"{INFO}.InfoResult"),
     *(
@@ -137,10 +162,46 @@ EMPTY_MESSAGES = {
     f"{DP}.PreStartContainerResponse",
     f"{PR}.AllocatableResourcesRequest",
     f"{PR}.ListPodResourcesRequest",
+    f"{REG}.InfoRequest",
+    f"{REG}.RegistrationStatusResponse",
     f"{INFO}.InfoParams",
     f"{A3}.ShutdownParams",
     f"{A3}.ShutdownResult",
 }
+
+
+def _dra_fields(pkg: str, *, share_id: bool) -> list[Field]:
+    fields = [
+        msg(f"{pkg}.NodePrepareResourcesRequest", "claims", 1, f"{pkg}.Claim", repeated=True),
+        Field(
+            f"{pkg}.NodePrepareResourcesResponse",
+            "claims",
+            1,
+            f"map<string,{pkg}.NodePrepareResourceResponse>",
+            repeated=True,
+        ),
+        msg(f"{pkg}.NodePrepareResourceResponse", "devices", 1, f"{pkg}.Device", repeated=True),
+        Field(f"{pkg}.NodePrepareResourceResponse", "error", 2, "string"),
+        rep(f"{pkg}.Device", "request_names", 1, "string"),
+        Field(f"{pkg}.Device", "pool_name", 2, "string"),
+        Field(f"{pkg}.Device", "device_name", 3, "string"),
+        rep(f"{pkg}.Device", "cdi_device_ids", 4, "string"),
+        msg(f"{pkg}.NodeUnprepareResourcesRequest", "claims", 1, f"{pkg}.Claim", repeated=True),
+        Field(
+            f"{pkg}.NodeUnprepareResourcesResponse",
+            "claims",
+            1,
+            f"map<string,{pkg}.NodeUnprepareResourceResponse>",
+            repeated=True,
+        ),
+        Field(f"{pkg}.NodeUnprepareResourceResponse", "error", 1, "string"),
+        Field(f"{pkg}.Claim", "namespace", 1, "string"),
+        Field(f"{pkg}.Claim", "uid", 2, "string"),
+        Field(f"{pkg}.Claim", "name", 3, "string"),
+    ]
+    if share_id:
+        fields.append(Field(f"{pkg}.Device", "share_id", 5, "string", optional=True))
+    return fields
 
 
 def _hook_fields(pkg: str, *, cloud_init: bool) -> list[Field]:
@@ -263,6 +324,16 @@ FIELDS = [
     Field(f"{PR}.GetPodResourcesRequest", "pod_name", 1, "string"),
     Field(f"{PR}.GetPodResourcesRequest", "pod_namespace", 2, "string"),
     msg(f"{PR}.GetPodResourcesResponse", "pod_resources", 1, f"{PR}.PodResources"),
+    # --- kubelet plugin registration v1 ---
+    Field(f"{REG}.PluginInfo", "type", 1, "string"),
+    Field(f"{REG}.PluginInfo", "name", 2, "string"),
+    Field(f"{REG}.PluginInfo", "endpoint", 3, "string"),
+    rep(f"{REG}.PluginInfo", "supported_versions", 4, "string"),
+    Field(f"{REG}.RegistrationStatus", "plugin_registered", 1, "bool"),
+    Field(f"{REG}.RegistrationStatus", "error", 2, "string"),
+    # --- kubelet DRA v1 and v1beta1 ---
+    *_dra_fields(DRA1, share_id=True),
+    *_dra_fields(DRA1B, share_id=False),
     # --- KubeVirt hooks ---
     Field(f"{INFO}.InfoResult", "name", 1, "string"),
     msg(f"{INFO}.InfoResult", "hookPoints", 3, f"{INFO}.HookPoint", repeated=True),
@@ -313,8 +384,10 @@ def all_messages() -> dict[str, Descriptor]:
 def type_of(field: FieldDescriptor) -> str:
     entry = field.message_type
     if entry is not None and entry.GetOptions().map_entry:
-        key, value = (type_of(entry.fields_by_name[n]) for n in ("key", "value"))
-        return f"map<{key},{value}>"
+        key, value = (entry.fields_by_name[n] for n in ("key", "value"))
+        # A message-valued map names its value type, so a retyped value fails too.
+        value_name = value.message_type.full_name if value.message_type else type_of(value)
+        return f"map<{type_of(key)},{value_name}>"
     if field.type == FieldDescriptor.TYPE_MESSAGE:
         return "message"
     return SCALAR_NAMES.get(field.type, f"type#{field.type}")
@@ -343,6 +416,9 @@ def test_file_names_and_packages() -> None:
     assert got == {
         "deviceplugin/v1beta1/api.proto": DP,
         "deviceplugin/podresources/v1/api.proto": PR,
+        "dra/pluginregistration/v1/api.proto": REG,
+        "dra/v1/api.proto": DRA1,
+        "dra/v1beta1/api.proto": DRA1B,
         "launcher_hook/hooks/info/api.proto": INFO,
         "launcher_hook/hooks/v1alpha1/api.proto": A1,
         "launcher_hook/hooks/v1alpha2/api.proto": A2,
@@ -375,6 +451,10 @@ def test_same_short_names_are_distinct_messages() -> None:
     pr_topology = pool.FindMessageTypeByName(f"{PR}.TopologyInfo")
     assert dp_topology.file.name == "deviceplugin/v1beta1/api.proto"
     assert pr_topology.file.name == "deviceplugin/podresources/v1/api.proto"
+    v1_claim = pool.FindMessageTypeByName(f"{DRA1}.Claim")
+    v1beta1_claim = pool.FindMessageTypeByName(f"{DRA1B}.Claim")
+    assert v1_claim.file.name == "dra/v1/api.proto"
+    assert v1beta1_claim.file.name == "dra/v1beta1/api.proto"
 
 
 # --- services ----------------------------------------------------------------------------
@@ -553,3 +633,60 @@ def test_hook_wire_bytes() -> None:
     assert (iso.cloudInitNoCloudSource, iso.cloudInitData) == (b"n", b"d")
     params = v1alpha3.OnDefineDomainParams(domainXML=b"<domain/>", vmi=b"{}")
     assert params.SerializeToString() == b"\x0a\x09<domain/>\x12\x02{}"
+
+
+def test_plugin_info_wire_bytes() -> None:
+    # PluginInfo: type = 1, name = 2 (0x12), endpoint = 3 (0x1a), supported_versions = 4 (0x22).
+    raw = b"\x0a\x09DRAPlugin\x12\x01d\x1a\x06/p/dra\x22\x0cv1.DRAPlugin\x22\x11v1beta1.DRAPlugin"
+    info_ = pluginregistration.PluginInfo.FromString(raw)
+    assert (info_.type, info_.name, info_.endpoint) == ("DRAPlugin", "d", "/p/dra")
+    assert list(info_.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert info_.SerializeToString() == raw
+    status = pluginregistration.RegistrationStatus(plugin_registered=True, error="e")
+    assert status.SerializeToString() == b"\x08\x01\x12\x01e"
+
+
+def test_dra_claim_wire_bytes() -> None:
+    raw = b"\x0a\x02ns\x12\x01u\x1a\x01c"
+    for module in (dra_v1, dra_v1beta1):
+        claim = module.Claim.FromString(raw)
+        assert (claim.namespace, claim.uid, claim.name) == ("ns", "u", "c")
+        request = module.NodePrepareResourcesRequest(claims=[claim])
+        assert request.SerializeToString() == b"\x0a\x0a" + raw
+
+
+def test_dra_prepare_response_wire_bytes() -> None:
+    # Map entry {key = 1: claim UID, value = 2: NodePrepareResourceResponse{devices = 1,
+    # error = 2}}; Device: request_names = 1, pool_name = 2, device_name = 3, cdi_device_ids = 4,
+    # share_id = 5 (v1 only).
+    device = b"\x0a\x01r\x12\x01p\x1a\x01d\x22\x03x=y"
+    raw = b"\x0a\x15\x0a\x01u\x12\x10\x0a\x0e" + device
+    for module in (dra_v1, dra_v1beta1):
+        response = module.NodePrepareResourcesResponse.FromString(raw)
+        got = response.claims["u"].devices[0]
+        assert (list(got.request_names), got.pool_name, got.device_name) == (["r"], "p", "d")
+        assert list(got.cdi_device_ids) == ["x=y"]
+        assert response.SerializeToString() == raw
+    failed = dra_v1.NodePrepareResourcesResponse.FromString(b"\x0a\x08\x0a\x01u\x12\x03\x12\x01e")
+    assert failed.claims["u"].error == "e"
+    assert not failed.claims["u"].devices
+
+
+def test_dra_share_id_presence_and_v1beta1_compatibility() -> None:
+    shared = dra_v1.Device(device_name="d", share_id="").SerializeToString()
+    assert shared == b"\x1a\x01d\x2a\x00"
+    assert dra_v1.Device.FromString(shared).HasField("share_id")
+    assert not dra_v1.Device(device_name="d").HasField("share_id")
+    # A v1beta1 peer reads a v1 device with share_id; the extra field is skipped, not an error.
+    old = dra_v1beta1.Device.FromString(shared)
+    assert old.device_name == "d"
+    assert "share_id" not in old.DESCRIPTOR.fields_by_name
+
+
+def test_dra_unprepare_response_wire_bytes() -> None:
+    # Map entry {key = 1: claim UID, value = 2: NodeUnprepareResourceResponse{error = 1}}; an
+    # empty value still carries its key, which tells the kubelet the claim was handled.
+    raw = b"\x0a\x05\x0a\x01u\x12\x00\x0a\x08\x0a\x01v\x12\x03\x0a\x01e"
+    for module in (dra_v1, dra_v1beta1):
+        response = module.NodeUnprepareResourcesResponse.FromString(raw)
+        assert {uid: r.error for uid, r in response.claims.items()} == {"u": "", "v": "e"}

@@ -1,0 +1,1 @@
+"""Generated from proto/dra/pluginregistration; do not edit."""

@@ -1,0 +1,1 @@
+"""Generated from proto/dra/pluginregistration/v1; do not edit."""

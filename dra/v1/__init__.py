@@ -1,0 +1,1 @@
+"""Generated from proto/dra/v1; do not edit."""

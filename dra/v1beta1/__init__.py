@@ -1,0 +1,1 @@
+"""Generated from proto/dra/v1beta1; do not edit."""
