@@ -3,9 +3,9 @@
 The hook writes XML (`<iommufd>`, `<driver iommufd=…>`) that only libvirt >= 12.1/12.2 knows, and
 Debian bookworm's libvirt 9.0 cannot validate it. Debian's `libvirt-common` from trixie-backports
 ships libvirt 12.9's schemas, so this downloads that one package with a private apt configuration
-(its own sources list, lists and archive cache under the cache directory; the machine's own apt
-sources and state stay untouched) and unpacks it with `dpkg-deb -x`: about a second and ~2 MB the
-first time, then cached.
+(its own sources list, on the Debian mirror the machine's apt sources name, with lists and archive
+cache under the cache directory; the machine's own apt sources and state stay untouched) and
+unpacks it with `dpkg-deb -x`: about a second and ~2 MB the first time, then cached.
 
 Run as a script to warm the cache (`python tests/launcher_hook/fetch_libvirt_schemas.py`);
 tests call `ensure_schemas()` from a session fixture. `KUBEVIRT_IOMMUFD_LIBVIRT_SCHEMAS=<dir>`
@@ -22,7 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-MIRROR = "http://deb.debian.org/debian"
+# Run as a script, only this directory is on sys.path; tests/apt_sources.py is one up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from apt_sources import NoMirrorError, debian_mirror
+
 SUITE = "trixie-backports"
 PACKAGE = "libvirt-common"
 # The oldest libvirt whose schema knows both the domain <iommufd> and <driver iommufd>.
@@ -63,12 +66,16 @@ def _cached(root: Path) -> Path | None:
 
 
 def _fetch(root: Path) -> Path:
+    try:
+        mirror = debian_mirror()
+    except NoMirrorError as error:
+        raise SchemaFetchError(f"{error}, or set {OVERRIDE_ENV}") from None
     apt_dir = root / "apt"
     for sub in ("lists/partial", "archives/partial", "etc/preferences.d"):
         (apt_dir / sub).mkdir(parents=True, exist_ok=True)
     sources = apt_dir / "etc/sources.list"
     sources.write_text(
-        f"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] {MIRROR} {SUITE} main\n"
+        f"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] {mirror} {SUITE} main\n"
     )
     options = [
         f"-oDir::Etc::sourcelist={sources}",
@@ -85,7 +92,7 @@ def _fetch(root: Path) -> Path:
         "-oAPT::Sandbox::User=root",
         "-qq",
     ]
-    _run(["apt-get", *options, "update"], "apt-get update (trixie-backports index)")
+    _run(["apt-get", *options, "update"], f"apt-get update ({SUITE} index from {mirror})")
     with tempfile.TemporaryDirectory(dir=root, prefix="download-") as scratch:
         _run(
             ["apt-get", *options, "download", f"{PACKAGE}/{SUITE}"],
@@ -130,7 +137,7 @@ def _run(command: list[str], what: str, cwd: str | None = None) -> None:
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip()[-2000:]
         raise SchemaFetchError(
-            f"{what} failed (exit {done.returncode}): {detail}; check access to {MIRROR}, or"
+            f"{what} failed (exit {done.returncode}): {detail}; check access to the mirror, or"
             f" set {OVERRIDE_ENV} to a directory with libvirt >= 12.2 schemas"
         )
 

@@ -60,7 +60,12 @@ from pathlib import Path
 from typing import Any
 
 from lxml import etree
-from run import apt_install, debian_mirror, installed_version, locked
+
+# The machine's apt sources are read by tests/apt_sources.py, one directory up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from run import apt_install, installed_version, locked
+
+from apt_sources import NoMirrorError, debian_mirror
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -160,6 +165,10 @@ def ensure_chroot(parent: Path) -> tuple[Path, dict[str, Any], bool]:
                     remove_tree(stale)
                 except RuntimeError as error:
                     sys.exit(f"libvirt12: {error}")
+        try:
+            mirror = debian_mirror()
+        except NoMirrorError as error:
+            sys.exit(f"libvirt12: {error}")
         if not installed_version("debootstrap"):
             apt_install(["debootstrap"])
         started = time.monotonic()
@@ -179,7 +188,7 @@ def ensure_chroot(parent: Path) -> tuple[Path, dict[str, Any], bool]:
                     str(Path(__file__).resolve()),
                     "--inside-build",
                     str(build),
-                    debian_mirror(),
+                    mirror,
                 ]
             )
             record = chroot_record(build)

@@ -46,6 +46,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+# tests/apt_sources.py is shared with the libvirt check and the schema fetch (one reader of the
+# machine's apt sources); as a script this file only has its own directory on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from apt_sources import NoMirrorError, debian_mirror
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 FRAGMENT = HERE / "iommufd-kernel.config"
@@ -99,42 +104,6 @@ def installed_version(package: str) -> str | None:
     return version if status == "install ok installed" else None
 
 
-def debian_mirror() -> str:
-    """The Debian mirror the machine already uses for bookworm (deb822 or one-line format)."""
-    candidates: list[Path] = [Path("/etc/apt/sources.list")]
-    sources_d = Path("/etc/apt/sources.list.d")
-    if sources_d.is_dir():
-        candidates += sorted(sources_d.iterdir())
-    for path in candidates:
-        if not path.is_file() or path == BACKPORTS_SOURCES:
-            continue
-        text = path.read_text(errors="replace")
-        if path.suffix == ".sources":
-            for stanza in re.split(r"\n\s*\n", text):
-                fields = {
-                    key.strip().lower(): value.strip()
-                    for key, _, value in (
-                        line.partition(":")
-                        for line in stanza.splitlines()
-                        if ":" in line and not line.startswith("#")
-                    )
-                }
-                uris = fields.get("uris", "").split()
-                if "bookworm" in fields.get("suites", "").split() and uris:
-                    return uris[0]
-        elif path.suffix == ".list":
-            for line in text.splitlines():
-                words = line.split("#", 1)[0].split()
-                if (
-                    len(words) >= 3
-                    and words[0] == "deb"
-                    and "bookworm" in words
-                    and "security" not in line
-                ):
-                    return next(word for word in words[1:] if not word.startswith("["))
-    return "http://deb.debian.org/debian"
-
-
 def apt_install(packages: Sequence[str], *, update: bool = True) -> None:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     if update:
@@ -171,7 +140,10 @@ def ensure_packages() -> None:
             f"{' and QEMU >= 10 from bookworm-backports' if old_qemu else ''}"
         )
     if old_qemu and not BACKPORTS_SOURCES.exists():
-        mirror = debian_mirror()
+        try:
+            mirror = debian_mirror()
+        except NoMirrorError as error:
+            sys.exit(f"system-test: {error}")
         log(f"adding bookworm-backports on {mirror} ({BACKPORTS_SOURCES})")
         BACKPORTS_SOURCES.write_text(
             "Types: deb\n"
