@@ -7,8 +7,9 @@ hook's own record in `<metadata>` are ever touched; everything else — KubeVirt
 The record (namespace `DECISION_NS`, see docs/launcher-hook.md) lists, per PCI host device, the
 alias, PCI address, backend and reason, and what this hook added. A second pass over our own
 output — a chained copy of this hook, or virt-launcher defining the domain again — first takes
-those additions back out and then decides afresh, so the rewrite is idempotent by construction
-and the additions can always be undone exactly (`undo_rewrite`).
+those additions back out — only where they are still exactly as written, and for every record of
+ours — and then decides afresh, so the rewrite is idempotent by construction and the additions
+can always be undone exactly (`undo_rewrite`) without touching what someone else changed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from launcher_hook.decide import (
     resolve_libvirt,
     resolve_policy,
 )
-from launcher_hook.model import Capabilities, Decision, Policy, Rewrite
+from launcher_hook.model import Backend, Capabilities, Decision, Policy, Rewrite
 from launcher_hook.parse import parse_domain_xml, parse_vmi, serialize_domain
 
 DECISION_NS = "https://kubevirt-iommufd.io/xmlns/decision/v1"
@@ -192,36 +193,54 @@ def _record(
 
 
 def _undo(root: etree._Element) -> bool:
-    """Take out what an earlier pass of this hook added; True when there was such a pass."""
-    metadata = root.find("metadata")
-    record = None if metadata is None else metadata.find(_RECORD)
-    if metadata is None or record is None:
-        return False
-    entries = record.findall(_ENTRY)
-    hostdevs = list(_pci_hostdevs(root))
-    for entry, hostdev in zip(entries, hostdevs, strict=False):
+    """Take out what earlier passes of this hook added; True when there was such a pass.
+
+    Every record of ours is undone, newest (first) to oldest, and each takes out only an element
+    or attribute that is still exactly what the hook wrote: one someone changed since, or one a
+    stale record merely claims, is theirs and stays.
+    """
+    found = [
+        (metadata, record)
+        for metadata in root.iterfind("metadata")
+        for record in metadata.iterfind(_RECORD)
+    ]
+    for metadata, record in found:
+        _undo_record(root, record)
+        metadata.remove(record)
+        if record.get("metadata") == "added" and _is_empty(metadata):
+            root.remove(metadata)
+    return bool(found)
+
+
+def _undo_record(root: etree._Element, record: etree._Element) -> None:
+    for entry, hostdev in zip(record.iterfind(_ENTRY), _pci_hostdevs(root), strict=False):
         found = _read_hostdev(hostdev)
         if entry.get("alias") != (found.alias or "") or entry.get("bdf") != str(found.bdf or ""):
             continue
         driver = hostdev.find("driver")
-        if driver is None or entry.get("change") not in ("driver", "attribute"):
+        change = entry.get("change")
+        # The hook writes iommufd='yes' only on a device it moved, 'no' only on one it kept.
+        written = "yes" if entry.get("backend") == Backend.IOMMUFD.value else "no"
+        if driver is None or change not in ("driver", "attribute"):
             continue
-        if (
-            entry.get("change") == "driver"
-            and len(driver) == 0
-            and set(driver.keys()) == {"iommufd"}
-        ):
+        if driver.get("iommufd") != written:
+            continue
+        if change == "driver" and driver.items() == [("iommufd", written)] and _is_empty(driver):
             hostdev.remove(driver)
-        elif "iommufd" in driver.attrib:
+        else:
             del driver.attrib["iommufd"]
     if record.get("domain-iommufd") == "added":
         domain_iommufd = root.find("iommufd")
-        if domain_iommufd is not None:
+        if (
+            domain_iommufd is not None
+            and domain_iommufd.items() == [("enabled", "yes")]
+            and _is_empty(domain_iommufd)
+        ):
             root.remove(domain_iommufd)
-    metadata.remove(record)
-    if record.get("metadata") == "added" and len(metadata) == 0:
-        root.remove(metadata)
-    return True
+
+
+def _is_empty(element: etree._Element) -> bool:
+    return len(element) == 0 and not (element.text or "").strip()
 
 
 def _insert(parent: etree._Element, index: int, element: etree._Element) -> None:
