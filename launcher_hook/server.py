@@ -8,6 +8,8 @@ get the older ones from the same socket.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +38,9 @@ PRIORITY = 0
 # Above gRPC's 4 MiB default, so an oversized domain reaches our own check and its clear message.
 _MAX_MESSAGE = MAX_DOMAIN_BYTES + MAX_VMI_BYTES + 64 * 1024
 _SHUTDOWN_GRACE_S = 5.0
+# Owner only: KubeVirt runs each hook sidecar as the compute container's user (107, or root for a
+# root VMI), and virt-launcher in that container is the one peer.
+SOCKET_MODE = 0o600
 
 DefineDomain = Callable[[bytes, bytes], bytes]
 
@@ -151,10 +156,19 @@ class HookServer:
         )
 
     def start(self) -> None:
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
-        # A socket left by an earlier run of this container would make the bind fail.
-        self.socket_path.unlink(missing_ok=True)
-        self._server.add_insecure_port(f"unix:{self.socket_path}")
+        directory = self.socket_path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        # Bound in a private directory, given its mode there and renamed into place: the socket
+        # never shows the umask's mode, and a file left by an earlier run is replaced at once.
+        # virt-launcher dials every file in our directory but skips subdirectories.
+        staging = Path(tempfile.mkdtemp(prefix=".", dir=directory))
+        try:
+            staged = staging / "s"
+            self._server.add_insecure_port(f"unix:{staged}")
+            staged.chmod(SOCKET_MODE)
+            staged.rename(self.socket_path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         self._server.start()
         log.info("serving %s on %s", ", ".join(VERSIONS), self.socket_path)
 

@@ -231,7 +231,8 @@ def hook_argv(*args: str) -> list[str]:
     return [sys.executable, "-c", _CLI, "hook", *args]
 
 
-def start_hook(*args: str) -> subprocess.Popen[bytes]:
+def start_hook(*args: str, umask: int = -1) -> subprocess.Popen[bytes]:
+    """The hook CLI in a child process (with `umask` set in it, unless -1)."""
     return subprocess.Popen(
-        hook_argv(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        hook_argv(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, umask=umask
     )

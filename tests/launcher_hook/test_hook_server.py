@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -206,6 +208,33 @@ def test_process_stops_on_sigterm(tmp_path: Path) -> None:
             process.wait()
     assert not (sockets / "x.sock").exists()
     process.communicate()
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077], ids=["umask-000", "umask-077"])
+def test_socket_mode_does_not_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    """Owner only: KubeVirt runs every hook sidecar as the compute container's user (107, or
+    root for a root VMI). The socket replaces a stale file at its path already with that mode,
+    and nothing else is left in the directory (virt-launcher dials every file there)."""
+    sockets = tmp_path / "hooks"
+    sockets.mkdir()
+    socket = sockets / "iommufd.sock"
+    socket.write_text("left by an earlier run")
+    process = start_hook("--socket-dir", str(sockets), "--root", str(tmp_path), umask=umask)
+    try:
+        deadline = time.monotonic() + 10
+        while not stat.S_ISSOCK(socket.lstat().st_mode):
+            assert time.monotonic() < deadline, "no socket within 10 s"
+            time.sleep(0.001)
+        assert stat.S_IMODE(socket.lstat().st_mode) == 0o600
+        assert [p.name for p in sockets.iterdir()] == ["iommufd.sock"]
+        wait_for_info(socket)
+        process.terminate()
+        assert process.wait(timeout=10) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.communicate()
 
 
 def test_bad_socket_name_is_a_usage_error(tmp_path: Path) -> None:
