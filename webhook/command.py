@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from webhook.config import Config, ConfigError, read_config
+from webhook.connections import IDLE_TIMEOUT, MAX_CONNECTIONS, REQUEST_TIMEOUT, Limits
 
 PROG = "kubevirt-iommufd webhook"
 
@@ -42,6 +43,36 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="YAML or JSON configuration (default: manage nvidia.com/ resources, no sidecar)",
     )
     webhook.add_argument(
+        "--max-connections",
+        type=_count,
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help=(
+            "open admission connections kept at most; a new one past this evicts the one idle"
+            f" longest (default: {MAX_CONNECTIONS}, about 10 MiB of TLS state)"
+        ),
+    )
+    webhook.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=REQUEST_TIMEOUT,
+        metavar="SECONDS",
+        help=(
+            "time a connection gets for its TLS handshake and a whole request, and an idle one"
+            f" for a request it has begun (default: {REQUEST_TIMEOUT:g})"
+        ),
+    )
+    webhook.add_argument(
+        "--idle-timeout",
+        type=_seconds,
+        default=IDLE_TIMEOUT,
+        metavar="SECONDS",
+        help=(
+            "time an answered keep-alive connection may wait for its next request; keep it above"
+            f" the API server's 90 s (default: {IDLE_TIMEOUT:g})"
+        ),
+    )
+    webhook.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default="info",
@@ -69,9 +100,32 @@ def run(args: argparse.Namespace) -> int:
             Path(args.key),
             port=args.port,
             health_port=args.health_port,
+            limits=Limits(args.max_connections, args.request_timeout, args.idle_timeout),
         )
         asyncio.run(serve_until_signalled(server))
     except (ConfigError, TlsError, ListenError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 100_000:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to 100000, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds above 0 and at most 86400 (e.g. 10 or 0.5), got {text!r}"
+        )
+    return value

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import generate_latest
 
 # Admissions take well under a millisecond; the API server's timeout is 10 s at most.
@@ -33,6 +35,29 @@ class Metrics:
             ["result"],
             registry=self.registry,
         )
+
+        self.connections = Gauge(
+            "kubevirt_iommufd_webhook_connections",
+            "Open connections, by listener (admission, health)",
+            ["listener"],
+            registry=self.registry,
+        )
+        self.connections_closed = Counter(
+            "kubevirt_iommufd_webhook_connections_closed",
+            "Connections the server closed, by listener and reason (evicted: the listener was"
+            " full; request_timeout: no complete request in time; idle_timeout: idle keep-alive)",
+            ["listener", "reason"],
+            registry=self.registry,
+        )
+
+    def watch_connections(self, listener: str, count: Callable[[], int]) -> None:
+        self.connections.labels(listener).set_function(count)
+
+    def counter_of_closed(self, listener: str) -> Callable[[str], None]:
+        def count(reason: str) -> None:
+            self.connections_closed.labels(listener, reason).inc()
+
+        return count
 
     def count_admission(self, endpoint: str, outcome: str, seconds: float) -> None:
         self.admissions.labels(endpoint, outcome).inc()

@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import logging
 import signal
-import weakref
+import ssl
+from collections.abc import Callable
 from pathlib import Path
 
 from webhook.config import Config
+from webhook.connections import ConnectionTable, Limits
 from webhook.http_protocol import Handler, HttpProtocol
 from webhook.metrics import Metrics
 from webhook.routes import build_admission_handler, build_health_handler
@@ -17,7 +19,9 @@ from webhook.tls import CertificateReloader
 
 # Checking two files' stat every few seconds costs nothing; cert-manager renews long before expiry.
 RELOAD_INTERVAL = 5.0
-HANDSHAKE_TIMEOUT = 10.0
+# The kubelet's probes and one Prometheus scraper need a handful; the port is not for admissions.
+HEALTH_LIMITS = Limits(max_connections=16)
+ADMISSION_LIMITS = Limits()
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +43,17 @@ class WebhookServer:
         health_port: int,
         host: str | None = None,
         reload_interval: float = RELOAD_INTERVAL,
+        limits: Limits = ADMISSION_LIMITS,
     ) -> None:
         self.metrics = Metrics()
+        self.admission_connections = ConnectionTable(
+            limits, self.metrics.counter_of_closed("admission")
+        )
+        self.health_connections = ConnectionTable(
+            HEALTH_LIMITS, self.metrics.counter_of_closed("health")
+        )
+        self.metrics.watch_connections("admission", self.admission_connections.__len__)
+        self.metrics.watch_connections("health", self.health_connections.__len__)
         self._reloader = CertificateReloader(cert, key, self.metrics.count_reload)
         self._config = config
         self._host = host
@@ -48,7 +61,6 @@ class WebhookServer:
         self._health_port = health_port
         self._reload_interval = reload_interval
         self._servers: list[asyncio.Server] = []
-        self._connections: weakref.WeakSet[HttpProtocol] = weakref.WeakSet()
         self._watch: asyncio.Task[None] | None = None
         self._serving = False
 
@@ -67,13 +79,22 @@ class WebhookServer:
     async def start(self) -> None:
         health = build_health_handler(self.metrics, self.ready)
         admission = build_admission_handler(self._config, self.metrics)
-        self._servers.append(await self._listen(health, self._health_port, tls=False))
-        self._servers.append(await self._listen(admission, self._port, tls=True))
+        self._servers.append(await self._listen(health, self._health_port, self.health_connections))
+        self._servers.append(
+            await self._listen(
+                admission, self._port, self.admission_connections, self._reloader.current
+            )
+        )
         self._watch = asyncio.create_task(self._watch_certificate())
         self._serving = True
+        limits = self.admission_connections.limits
         log.info(
-            "serving admissions on port %d (TLS), probes and metrics on port %d",
+            "serving admissions on port %d (TLS; at most %d connections, request timeout %g s,"
+            " idle timeout %g s), probes and metrics on port %d",
             self.port,
+            limits.max_connections,
+            limits.request_timeout,
+            limits.idle_timeout,
             self.health_port,
         )
 
@@ -85,28 +106,25 @@ class WebhookServer:
                 await self._watch
         for server in self._servers:
             server.close()
-        for connection in list(self._connections):
-            connection.close()
+        for table in (self.admission_connections, self.health_connections):
+            for connection in table.connections():
+                connection.evict()
         for server in self._servers:
             await server.wait_closed()
 
-    async def _listen(self, handler: Handler, port: int, *, tls: bool) -> asyncio.Server:
-        def connect() -> HttpProtocol:
-            protocol = HttpProtocol(handler)
-            self._connections.add(protocol)
-            return protocol
-
+    async def _listen(
+        self,
+        handler: Handler,
+        port: int,
+        table: ConnectionTable,
+        tls_context: Callable[[], ssl.SSLContext] | None = None,
+    ) -> asyncio.Server:
+        # TLS is done by the protocol itself (webhook.tls_session), not by asyncio: see there why.
         loop = asyncio.get_running_loop()
         try:
-            if tls:
-                return await loop.create_server(
-                    connect,
-                    self._host,
-                    port,
-                    ssl=self._reloader.context,
-                    ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
-                )
-            return await loop.create_server(connect, self._host, port)
+            return await loop.create_server(
+                lambda: HttpProtocol(handler, table, tls_context), self._host, port
+            )
         except OSError as error:
             raise ListenError(
                 f"cannot listen on port {port}: {error.strerror or error}; choose another"

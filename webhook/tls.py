@@ -2,10 +2,14 @@
 
 cert-manager rotates the Secret and the kubelet swaps the mounted files (a symlink flip, so the
 inode changes). A new pair is loaded into a fresh SSLContext and only swapped in once it loaded
-whole; handshakes pick the current context from the SNI callback, which runs for every
-ClientHello, with or without a server name. Established connections keep the session they have.
-Loading into the live context instead could leave it half-updated (new certificate, old key) if
-the files change between the two reads.
+whole; each new connection takes the context current when it is accepted. Established
+connections keep the session they have. Loading into the live context instead could leave it
+half-updated (new certificate, old key) if the files change between the two reads.
+
+The files are compared by their stat before and after loading: a pair is taken only if neither
+file changed while it was read, so what was loaded is exactly what the recorded signature
+describes. Recording the signature taken before loading alone was not enough: files replaced in
+between were loaded already, then "changed" again at the next check and reloaded a second time.
 """
 
 from __future__ import annotations
@@ -50,6 +54,13 @@ def read_signature(*paths: Path) -> Signature:
     return tuple(signature)
 
 
+def _signature_or_none(*paths: Path) -> Signature | None:
+    try:
+        return read_signature(*paths)
+    except OSError:
+        return None
+
+
 class CertificateReloader:
     """Owns the listening context; `check()` loads changed files into the next handshake's."""
 
@@ -64,12 +75,11 @@ class CertificateReloader:
             self._signature = read_signature(cert, key)
         except OSError as error:
             raise TlsError(f"{error.filename}: {error.strerror}; pass --cert and --key") from error
-        self.context = build_server_context(cert, key)
-        self._current = self.context
-        self.context.sni_callback = self._select
+        self._current = build_server_context(cert, key)
 
-    def _select(self, conn: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
-        conn.context = self._current
+    def current(self) -> ssl.SSLContext:
+        """The context for the next connection's handshake."""
+        return self._current
 
     def check(self) -> None:
         """Reload the pair if either file changed; on failure keep serving the old one."""
@@ -81,11 +91,16 @@ class CertificateReloader:
             return
         if signature == self._signature:
             return
-        self._signature = signature  # a broken pair is reported once, retried when it changes
+        failure: TlsError | None = None
         try:
             context = build_server_context(self._cert, self._key)
         except TlsError as error:
-            log.error("certificate reload failed, still serving the previous one: %s", error)
+            failure = error
+        if _signature_or_none(self._cert, self._key) != signature:
+            return  # changed while being read (mid-rotation): the next check takes the end state
+        self._signature = signature  # a broken pair is reported once, retried when it changes
+        if failure is not None:
+            log.error("certificate reload failed, still serving the previous one: %s", failure)
             self._on_reload(False)
             return
         self._current = context

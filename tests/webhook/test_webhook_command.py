@@ -81,7 +81,30 @@ def test_parser_defaults() -> None:
     args = parser.parse_args(["webhook", "--cert", "c.pem", "--key", "k.pem"])
 
     assert (args.port, args.health_port, args.config) == (8443, 8080, None)
+    assert (args.max_connections, args.request_timeout, args.idle_timeout) == (256, 10.0, 120.0)
     assert args.run is command.run
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--max-connections", "0"],
+        ["--max-connections", "many"],
+        ["--request-timeout", "0"],
+        ["--idle-timeout", "-5"],
+        ["--idle-timeout", "nan"],
+    ],
+)
+def test_limits_that_would_disable_themselves_are_refused(
+    flag: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers(dest="command"))
+
+    with pytest.raises(SystemExit):
+        parser.parse_args(["webhook", "--cert", "c.pem", "--key", "k.pem", *flag])
+
+    assert f"argument {flag[0]}: expected" in capsys.readouterr().err
 
 
 def test_serves_with_a_config_until_sigterm(tls: Tls, tmp_path: Path) -> None:
@@ -89,7 +112,9 @@ def test_serves_with_a_config_until_sigterm(tls: Tls, tmp_path: Path) -> None:
     config.write_text("managedResources:\n  names: [intel.com/qat_4xxx]\n")
     port, health = free_port(), free_port()
     cli = ["--cert", str(tls.cert), "--key", str(tls.key), "--config", str(config)]
-    with webhook_process(*cli, "--port", str(port), "--health-port", str(health)) as process:
+    limits = ["--max-connections", "32", "--request-timeout", "2.5", "--idle-timeout", "95"]
+    ports = ["--port", str(port), "--health-port", str(health)]
+    with webhook_process(*cli, *limits, *ports) as process:
         wait_ready(health, process)
         conn = http.client.HTTPSConnection(
             "127.0.0.1", port, context=tls.client_context(), timeout=10
@@ -104,7 +129,8 @@ def test_serves_with_a_config_until_sigterm(tls: Tls, tmp_path: Path) -> None:
     assert status == 200
     assert decode_patch(json.loads(body)), "intel.com/qat_4xxx is managed by this config"
     assert process.returncode == 0
-    assert f"serving admissions on port {port}" in stderr
+    assert f"serving admissions on port {port} (TLS; at most 32 connections" in stderr
+    assert "request timeout 2.5 s, idle timeout 95 s" in stderr
     assert "intel.com/qat_4xxx" in stderr  # the patched pod is logged with its reason
     assert "Traceback" not in stderr
 

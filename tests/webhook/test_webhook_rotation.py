@@ -10,8 +10,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
+import webhook.tls
 from webhook.config import Config
+from webhook.tls import CertificateReloader
 from webhook_testkit import (
     RunningServer,
     Tls,
@@ -99,11 +102,9 @@ def test_a_mismatched_pair_is_refused_loudly_and_the_old_cert_kept(
     server: RunningServer, tls: Tls, caplog: pytest.LogCaptureFixture
 ) -> None:
     old = file_der(tls.cert)
-    key = tls.key.read_bytes()
     caplog.set_level(logging.ERROR, logger="webhook.tls")
 
-    tls.rotate()
-    tls.key.write_bytes(key)  # mid-rotation: the new certificate with the old key
+    tls.rotate(key_pem=tls.key.read_bytes())  # a new certificate published with the old key
 
     assert eventually(lambda: reloads(server, "failed") == 1.0)
     assert handshake_der(server, tls) == old
@@ -125,3 +126,47 @@ def test_files_briefly_missing_keep_the_current_cert(
     assert handshake_der(server, tls) == old
     moved.rename(tls.cert)
     assert reloads(server, "failed") == 0.0
+
+
+def write_pair(issued: trustme.LeafCert, cert: Path | None, key: Path | None) -> None:
+    """Replace the files one by one (new inodes), as a non-atomic writer does."""
+    for path, blob in (
+        (cert, b"".join(p.bytes() for p in issued.cert_chain_pems)),
+        (key, issued.private_key_pem.bytes()),
+    ):
+        if path is not None:
+            fresh = path.with_suffix(".new")
+            fresh.write_bytes(blob)
+            fresh.replace(path)
+
+
+@pytest.mark.parametrize("key_lands", ["before-the-load", "after-a-failed-load"])
+def test_a_pair_replaced_while_it_is_being_loaded_is_reloaded_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key_lands: str
+) -> None:
+    # The flaky rotation test's race, made deterministic: a check sees the new certificate with
+    # the old key, and the new key lands while that check is loading the files.
+    ca = trustme.CA()
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    write_pair(ca.issue_cert("127.0.0.1"), cert, key)
+    results: list[bool] = []
+    reloader = CertificateReloader(cert, key, results.append)
+    rotated = ca.issue_cert("127.0.0.1")
+    write_pair(rotated, cert, None)
+    load = webhook.tls.build_server_context
+
+    def racing_load(cert_path: Path, key_path: Path) -> ssl.SSLContext:
+        monkeypatch.setattr(webhook.tls, "build_server_context", load)
+        if key_lands == "before-the-load":
+            write_pair(rotated, None, key)
+            return load(cert_path, key_path)
+        try:
+            return load(cert_path, key_path)
+        finally:
+            write_pair(rotated, None, key)
+
+    monkeypatch.setattr(webhook.tls, "build_server_context", racing_load)
+    for _ in range(3):
+        reloader.check()
+
+    assert results == [True]

@@ -24,7 +24,8 @@ import yaml
 from kubernetes.client import ApiClient, V1Pod, V1ResourceRequirements
 
 from webhook.config import Config
-from webhook.server import WebhookServer
+from webhook.connections import Limits
+from webhook.server import ADMISSION_LIMITS, WebhookServer
 
 DATA = Path(__file__).parent / "data"
 IOMMUFD = "devices.kubevirt.io/iommufd"
@@ -137,22 +138,33 @@ def container(pod: Json, name: str) -> Json:
 
 @dataclass
 class Tls:
-    """A test CA and the server's certificate and key files, reissued by `rotate()`."""
+    """A test CA and the server's certificate and key files, reissued by `rotate()`.
+
+    The files are laid out as the kubelet mounts a Secret: `tls.crt` and `tls.key` are symlinks
+    into `..data`, itself a symlink to a directory of one version, so a rotation switches both
+    files in one rename, as it does in a pod.
+    """
 
     ca: trustme.CA
     cert: Path
     key: Path
+    versions: int = 0
 
-    def rotate(self) -> None:
-        """Replace both files the way the kubelet updates a Secret volume: new inodes."""
+    def rotate(self, key_pem: bytes | None = None) -> None:
+        """Publish a new pair atomically; `key_pem` replaces its key (to publish a bad pair)."""
         issued = self.ca.issue_cert("127.0.0.1", "localhost")
-        for path, blob in (
-            (self.cert, issued.cert_chain_pems),
-            (self.key, [issued.private_key_pem]),
-        ):
-            fresh = path.with_suffix(".new")
-            fresh.write_bytes(b"".join(pem.bytes() for pem in blob))
-            fresh.replace(path)
+        directory = self.cert.parent
+        self.versions += 1
+        version = directory / f"..v{self.versions}"
+        version.mkdir()
+        (version / self.cert.name).write_bytes(b"".join(p.bytes() for p in issued.cert_chain_pems))
+        (version / self.key.name).write_bytes(key_pem or issued.private_key_pem.bytes())
+        staged = directory / "..data_tmp"
+        staged.symlink_to(version.name)
+        staged.replace(directory / "..data")
+        for path in (self.cert, self.key):
+            if not path.is_symlink():
+                path.symlink_to(Path("..data") / path.name)
 
     def client_context(self) -> ssl.SSLContext:
         context = ssl.create_default_context()
@@ -182,7 +194,7 @@ class RunningServer:
 
 @contextmanager
 def running_server(
-    config: Config, tls: Tls, *, reload_interval: float = 0.05
+    config: Config, tls: Tls, *, reload_interval: float = 0.05, limits: Limits = ADMISSION_LIMITS
 ) -> Iterator[RunningServer]:
     """A WebhookServer on loopback ports chosen by the kernel, its loop in a thread."""
     loop = asyncio.new_event_loop()
@@ -196,6 +208,7 @@ def running_server(
         health_port=0,
         host="127.0.0.1",
         reload_interval=reload_interval,
+        limits=limits,
     )
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=10)
     try:
