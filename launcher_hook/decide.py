@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hostdev.bdf import Bdf
+from hostdev.untrusted import quote_untrusted
 from launcher_hook.errors import IommufdRequired
 from launcher_hook.model import (
     ANNOTATION_LIBVIRT_VERSION,
@@ -67,7 +68,7 @@ def resolve_policy(flag: Policy, vmi: Vmi) -> Sourced[Policy]:
     if text is None:
         return Sourced(flag, "--policy")
     where = f"annotation {ANNOTATION_MODE}"
-    return Sourced(Policy.parse(text, f"VMI {vmi.key} {where}"), where)
+    return Sourced(Policy.parse(text, f"VMI {vmi.label} {where}"), where)
 
 
 def resolve_libvirt(caps: Capabilities, vmi: Vmi) -> Sourced[LibvirtVersion] | None:
@@ -77,7 +78,7 @@ def resolve_libvirt(caps: Capabilities, vmi: Vmi) -> Sourced[LibvirtVersion] | N
     if text is None:
         return None
     where = f"annotation {ANNOTATION_LIBVIRT_VERSION}"
-    return Sourced(LibvirtVersion.parse(text, f"VMI {vmi.key} {where}"), where)
+    return Sourced(LibvirtVersion.parse(text, f"VMI {vmi.label} {where}"), where)
 
 
 def plan_devices(
@@ -108,7 +109,7 @@ def plan_devices(
     for hostdev, support in zip(hostdevs, supports, strict=True):
         if hostdev.preset is not None:
             backend = Backend.IOMMUFD if hostdev.preset == "yes" else Backend.LEGACY
-            reason = f"<driver iommufd='{hostdev.preset}'> set before this hook"
+            reason = f"<driver iommufd={_shown(hostdev.preset)}> set before this hook"
             change = None
         elif not ours:
             backend, reason, change = Backend.LEGACY, f"policy disable ({policy.source})", opt_out
@@ -131,13 +132,13 @@ def check_required(plan: Plan, policy: Sourced[Policy], vmi: Vmi) -> None:
     if policy.value is not Policy.REQUIRE:
         return
     problems = tuple(
-        f"hostdev {p.decision.alias or '(no alias)'} ({p.decision.bdf or 'no PCI address'})"
+        f"hostdev {p.decision.label} ({p.decision.bdf or 'no PCI address'})"
         f" cannot use iommufd: {p.decision.reason}"
         for p in plan.devices
         if p.decision.backend is Backend.LEGACY
     )
     if problems:
-        raise IommufdRequired(vmi.key, policy.source, problems)
+        raise IommufdRequired(vmi.label, policy.source, problems)
 
 
 def _mode(
@@ -146,7 +147,7 @@ def _mode(
     # A domain <iommufd> that libvirt is going to accept is itself proof of libvirt >= 12.2.
     if domain_iommufd is not None:
         mode = _Mode.IN_TREE_ON if domain_iommufd == "yes" else _Mode.IN_TREE_OFF
-        return mode, f"domain <iommufd enabled='{domain_iommufd}'> set before this hook"
+        return mode, f"domain <iommufd enabled={_shown(domain_iommufd)}> set before this hook"
     if libvirt is None:
         return _Mode.LEGACY, (
             "libvirt version unknown: libvirt did not answer and neither --libvirt-version nor"
@@ -163,6 +164,11 @@ def _mode(
             " <interface type='hostdev'> devices"
         )
     return _Mode.DOMAIN, said
+
+
+def _shown(value: str) -> str:
+    """An attribute value from the domain, quoted and short: it lands in logs and errors."""
+    return quote_untrusted(value, 20)
 
 
 def _device_support(hostdev: PciHostdev, caps: Capabilities) -> DeviceSupport:

@@ -17,6 +17,7 @@ class IommufdRequired(HookError):
     (gRPC FAILED_PRECONDITION): the VM must not start silently on legacy VFIO."""
 
     def __init__(self, vmi: str, policy_source: str, problems: tuple[str, ...]) -> None:
+        # The VMI's key and device aliases arrive already quoted (hostdev.untrusted).
         self.vmi = vmi
         self.problems = problems
         super().__init__(

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from hostdev.untrusted import quote_untrusted
 from launcher_hook.capabilities import LibvirtVersionSource, read_capabilities
 from launcher_hook.domain import pci_sources, rewrite_domain
 from launcher_hook.model import Policy
@@ -45,8 +46,7 @@ def define_domain(domain_xml: bytes, vmi_json: bytes, config: HookConfig) -> byt
 
 
 def shorten(payload: bytes) -> str:
-    """One log line: whitespace runs collapsed, cut at a fixed length with the real size."""
+    """One quoted log line: whitespace runs collapsed, control characters escaped, cut at a
+    fixed length with the real size."""
     text = " ".join(payload.decode("utf-8", "replace").split())
-    if len(text) <= _DEBUG_PAYLOAD_CHARS:
-        return text
-    return f"{text[:_DEBUG_PAYLOAD_CHARS]}… ({len(payload)} bytes)"
+    return f"{quote_untrusted(text, _DEBUG_PAYLOAD_CHARS)} ({len(payload)} bytes)"

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from hostdev.bdf import Bdf
+from hostdev.untrusted import quote_untrusted
 from launcher_hook.errors import InvalidInput
 
 ANNOTATION_MODE = "iommufd.kubevirt.io/mode"
@@ -32,7 +33,9 @@ class Policy(Enum):
             return cls(text)
         except ValueError:
             choices = "|".join(p.value for p in cls)
-            raise InvalidInput(f"{where}: expected {choices}, found {text[:40]!r}") from None
+            raise InvalidInput(
+                f"{where}: expected {choices}, found {quote_untrusted(text, 40)}"
+            ) from None
 
 
 class Backend(Enum):
@@ -51,7 +54,8 @@ class LibvirtVersion:
         match = _VERSION.fullmatch(text.strip())
         if match is None:
             raise InvalidInput(
-                f"{where}: expected a libvirt version like 12.2.0, found {text[:40]!r}"
+                f"{where}: expected a libvirt version like 12.2.0,"
+                f" found {quote_untrusted(text, 40)}"
             )
         return cls(int(match[1]), int(match[2]), int(match[3] or 0))
 
@@ -112,6 +116,11 @@ class Vmi:
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
 
+    @property
+    def label(self) -> str:
+        """`key` quoted for logs and errors: names come from the VMI JSON, which we don't trust."""
+        return quote_untrusted(self.key)
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceDecision:
@@ -120,9 +129,14 @@ class DeviceDecision:
     backend: Backend
     reason: str
 
+    @property
+    def label(self) -> str:
+        """The alias quoted for logs and errors: it comes from the domain XML."""
+        return "(no alias)" if self.alias is None else quote_untrusted(self.alias)
+
     def describe(self) -> str:
         where = str(self.bdf) if self.bdf else "no PCI address"
-        return f"{self.alias or '(no alias)'} {where} {self.backend.value} ({self.reason})"
+        return f"{self.label} {where} {self.backend.value} ({self.reason})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +151,9 @@ class Decision:
     def summary(self) -> str:
         """The one log line per VMI."""
         if not self.devices:
-            return f"vmi {self.vmi.key}: no PCI host devices, domain unchanged"
+            return f"vmi {self.vmi.label}: no PCI host devices, domain unchanged"
         chosen = "; ".join(d.describe() for d in self.devices)
-        return f"vmi {self.vmi.key}: policy {self.policy.value.value}: {chosen}"
+        return f"vmi {self.vmi.label}: policy {self.policy.value.value}: {chosen}"
 
 
 @dataclass(frozen=True, slots=True)

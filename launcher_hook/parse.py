@@ -14,6 +14,7 @@ from typing import cast
 
 from lxml import etree
 
+from hostdev.untrusted import quote_untrusted
 from launcher_hook.errors import InvalidInput
 from launcher_hook.model import Vmi
 
@@ -40,13 +41,16 @@ def parse_domain_xml(data: bytes) -> etree._ElementTree:
     try:
         root = etree.fromstring(data, parser)
     except etree.XMLSyntaxError as error:
-        raise InvalidInput(f"domain XML is malformed: {error}") from None
+        # libxml2 quotes the document in its messages: names, namespace URIs with newlines.
+        raise InvalidInput(f"domain XML is malformed: {quote_untrusted(str(error), 300)}") from None
     tree = root.getroottree()
     # lxml gives every DOCTYPE, with or without an internal subset, an internalDTD object.
     if cast(object, tree.docinfo.internalDTD) is not None:
         raise InvalidInput("domain XML has a DOCTYPE; libvirt domain XML never needs one")
     if root.tag != "domain":
-        raise InvalidInput(f"expected a libvirt <domain> document, found <{root.tag}>")
+        raise InvalidInput(
+            f"expected a libvirt <domain> document, found {quote_untrusted(str(root.tag))}"
+        )
     return tree
 
 

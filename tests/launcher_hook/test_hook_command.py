@@ -25,7 +25,7 @@ def test_on_define_domain_executable(
     out, _ = capsys.readouterr()
     assert out.startswith('<domain xmlns:qemu="http://libvirt.org/schemas/domain/qemu/1.0"')
     assert '<iommufd enabled="yes"/>' in out
-    assert [r.getMessage()[:31] for r in caplog.records] == ["vmi gpus/vmi-h100: policy auto:"]
+    assert [r.getMessage()[:33] for r in caplog.records] == ["vmi 'gpus/vmi-h100': policy auto:"]
 
 
 def test_require_unmet_exits_1_with_the_reason(
@@ -40,8 +40,8 @@ def test_require_unmet_exits_1_with_the_reason(
 
     out, err = capsys.readouterr()
     assert out == ""
-    assert "error: vmi gpus/vmi-h100: iommufd is required" in err
-    assert "hostdev ua-hostdevice-gpu2 (0000:2a:00.0) cannot use iommufd" in err
+    assert "error: vmi 'gpus/vmi-h100': iommufd is required" in err
+    assert "hostdev 'ua-hostdevice-gpu2' (0000:2a:00.0) cannot use iommufd" in err
 
 
 def test_hook_on_define_domain_subcommand(tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_payloads_only_at_debug_and_shortened(tmp_path: Path) -> None:
         "OnDefineDomain result",
     ]
     assert all(len(line) < 2200 for line in debug)
-    assert debug[1].endswith(f"… ({len(domain)} bytes)")
+    assert debug[1].endswith(f" chars] ({len(domain)} bytes)")
 
 
 @pytest.mark.parametrize(("check", "backend"), [("sysfs", "iommufd"), ("node", "legacy")])

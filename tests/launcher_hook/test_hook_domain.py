@@ -187,8 +187,10 @@ def test_decision_is_recorded_per_device(tmp_path: Path) -> None:
     ]
     assert "/dev/vfio/devices/vfio1 is missing" in entries[1]["reason"]
     summary = result.decision.summary()
-    assert summary.startswith("vmi gpus/vmi-h100: policy auto: ua-gpu-gpu1 0000:18:00.0 iommufd")
-    assert "ua-hostdevice-gpu2 0000:2a:00.0 legacy (no VFIO cdev node" in summary
+    assert summary.startswith(
+        "vmi 'gpus/vmi-h100': policy auto: 'ua-gpu-gpu1' 0000:18:00.0 iommufd"
+    )
+    assert "'ua-hostdevice-gpu2' 0000:2a:00.0 legacy (no VFIO cdev node" in summary
 
 
 def test_in_tree_iommufd_and_fdgroup_are_kept(tmp_path: Path) -> None:
@@ -229,7 +231,7 @@ def test_driver_set_before_the_hook_is_respected(tmp_path: Path) -> None:
     first = result.decision.devices[0]
     assert first.backend is Backend.LEGACY
     assert first.reason == "<driver iommufd='no'> set before this hook"
-    with pytest.raises(IommufdRequired, match=r"ua-gpu-gpu1 .* set before this hook"):
+    with pytest.raises(IommufdRequired, match=r"'ua-gpu-gpu1' .* set before this hook"):
         rewrite_domain(source, vmi_json(), caps, Policy.REQUIRE)
 
 
@@ -239,9 +241,9 @@ def test_require_names_device_and_missing_capability(tmp_path: Path) -> None:
     with pytest.raises(IommufdRequired) as raised:
         rewrite_domain(source, vmi_json(**{ANNOTATION_MODE: "require"}), caps, Policy.AUTO)
     message = str(raised.value)
-    assert message.startswith("vmi gpus/vmi-h100: iommufd is required (policy require, from")
+    assert message.startswith("vmi 'gpus/vmi-h100': iommufd is required (policy require, from")
     assert raised.value.problems == (
-        "hostdev ua-hostdevice-gpu2 (0000:2a:00.0) cannot use iommufd:"
+        "hostdev 'ua-hostdevice-gpu2' (0000:2a:00.0) cannot use iommufd:"
         " no VFIO cdev node: /dev/vfio/devices/vfio1 is missing",
     )
 

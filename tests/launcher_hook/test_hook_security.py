@@ -7,19 +7,29 @@ that must have no connection queued afterwards.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from xml.sax import saxutils
 
 import pytest
 
 from hook_testkit import read_data
+from launcher_hook.capabilities import LibvirtVersionSource
 from launcher_hook.domain import rewrite_domain
-from launcher_hook.errors import HookError, InvalidInput
-from launcher_hook.model import Capabilities, Policy
+from launcher_hook.errors import HookError, InvalidInput, IommufdRequired
+from launcher_hook.handler import HookConfig, define_domain
+from launcher_hook.model import (
+    ANNOTATION_LIBVIRT_VERSION,
+    ANNOTATION_MODE,
+    Capabilities,
+    LibvirtVersion,
+    Policy,
+)
 from launcher_hook.parse import MAX_DOMAIN_BYTES, MAX_VMI_BYTES, parse_vmi
 
 CAPS = Capabilities(kernel_iommufd=True, devices={}, libvirt=None)
@@ -134,7 +144,7 @@ def test_xinclude_is_not_processed(fifo: Path) -> None:
 
 def test_undeclared_entity_is_malformed() -> None:
     message = refuse(f'<domain type="kvm">{BODY}<description>&xxe;</description></domain>'.encode())
-    assert message.startswith("domain XML is malformed: Entity 'xxe' not defined")
+    assert message.startswith("domain XML is malformed: 'Entity \\'xxe\\' not defined")
 
 
 def test_oversized_domain_is_refused_before_parsing() -> None:
@@ -172,3 +182,70 @@ def test_deep_nesting_is_refused() -> None:
 def test_bad_vmi_is_refused(vmi: bytes, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         parse_vmi(vmi)
+
+
+# Untrusted text in logs and errors ------------------------------------------------------------
+
+FORGED = "x\nCRITICAL launcher_hook: forged\r\u202egnp.exe"
+PCI_SOURCE = "<source><address domain='0' bus='0x18' slot='0' function='0'/></source>"
+
+
+def hostile_domain(alias: str, preset: str = "no") -> bytes:
+    quoted = saxutils.quoteattr(alias, {"\n": "&#10;", "\r": "&#13;"})
+    return (
+        f"<domain type='kvm'>{BODY[: -len('<devices/>')]}<devices>"
+        f"<hostdev mode='subsystem' type='pci'><driver iommufd={saxutils.quoteattr(preset)}/>"
+        f"{PCI_SOURCE}<alias name={quoted}/></hostdev></devices></domain>"
+    ).encode()
+
+
+def hostile_vmi(name: str, **annotations: str) -> bytes:
+    metadata = {"name": name, "namespace": "ns", "annotations": annotations}
+    return json.dumps({"metadata": metadata}).encode()
+
+
+def assert_one_short_line(text: str, limit: int) -> None:
+    assert len(text) < limit
+    assert text.isprintable(), repr(text)
+
+
+@pytest.mark.parametrize("size", [1, 5_000], ids=["forged-line", "huge"])
+def test_names_are_logged_quoted_on_one_short_line(
+    size: int, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = HookConfig(Policy.AUTO, tmp_path, LibvirtVersionSource(None, LibvirtVersion(12, 9)))
+    alias, name = FORGED * size, FORGED * size
+    with caplog.at_level("INFO", logger="launcher_hook"):
+        define_domain(hostile_domain(alias, preset=FORGED), hostile_vmi(name), config)
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "launcher_hook"]
+    assert_one_short_line(message, 1200)
+    assert message.startswith("vmi 'ns/x\\nCRITICAL launcher_hook: forged\\r\\u202egnp.exe")
+    assert "<driver iommufd='x\\nCRITICAL " in message
+
+
+@pytest.mark.parametrize("size", [1, 5_000], ids=["forged-line", "huge"])
+def test_require_error_names_devices_on_one_short_line(size: int) -> None:
+    caps = Capabilities(True, {}, None)
+    with pytest.raises(IommufdRequired) as raised:
+        rewrite_domain(
+            hostile_domain(FORGED * size), hostile_vmi(FORGED * size), caps, Policy.REQUIRE
+        )
+    assert_one_short_line(str(raised.value), 1500)
+    assert "hostdev 'x\\nCRITICAL launcher_hook: forged" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("xml", "vmi"),
+    [
+        (hostile_domain("a"), hostile_vmi(FORGED, **{ANNOTATION_MODE: FORGED})),
+        (hostile_domain("a"), hostile_vmi(FORGED, **{ANNOTATION_LIBVIRT_VERSION: FORGED})),
+        (f"<domain xmlns='urn:{'&#10;x' * 50_000}'/>".encode(), b""),
+        (f"<domain><{'a' * 40_000}></b></domain>".encode(), b""),
+        (f"<domain>&{'e' * 40_000};</domain>".encode(), b""),
+    ],
+    ids=["mode-annotation", "libvirt-annotation", "namespace", "tag-mismatch", "entity"],
+)
+def test_refusals_are_one_short_line(xml: bytes, vmi: bytes) -> None:
+    with pytest.raises(InvalidInput) as raised:
+        rewrite_domain(xml, vmi, CAPS, Policy.AUTO)
+    assert_one_short_line(str(raised.value), 600)

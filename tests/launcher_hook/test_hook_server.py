@@ -131,8 +131,20 @@ def test_malformed_domain_is_invalid_argument(serve: Serve, tmp_path: Path) -> N
         client.on_define_domain("v1alpha3", b"<domain><devices></domain>", vmi_json())
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert str(raised.value.details()).startswith(
-        "domain XML is malformed: Opening and ending tag mismatch: devices line 1 and domain"
+        "domain XML is malformed: 'Opening and ending tag mismatch: devices line 1 and domain"
     )
+
+
+def test_refusal_naming_a_huge_name_is_a_short_invalid_argument(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """libxml2 names the tag in its message; a 40,000-character one must not turn the answer
+    into a trailer over gRPC's limit (the caller would see RESOURCE_EXHAUSTED or INTERNAL)."""
+    client = serve(build_cdevs(tmp_path / "node"))
+    with pytest.raises(grpc.RpcError) as raised:
+        client.on_define_domain("v1alpha3", f"<domain><{'a' * 40_000}></b>".encode(), b"")
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(str(raised.value.details())) < 400
 
 
 def test_oversized_domain_is_invalid_argument(serve: Serve, tmp_path: Path) -> None:
@@ -151,7 +163,7 @@ def test_require_unmet_is_failed_precondition(serve: Serve, tmp_path: Path) -> N
     with pytest.raises(grpc.RpcError) as raised:
         client.on_define_domain("v1alpha3", read_data("kubevirt-gpus.xml"), vmi_json())
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "hostdev ua-hostdevice-gpu2 (0000:2a:00.0) cannot use iommufd" in str(
+    assert "hostdev 'ua-hostdevice-gpu2' (0000:2a:00.0) cannot use iommufd" in str(
         raised.value.details()
     )
 
@@ -164,8 +176,10 @@ def test_one_log_line_per_vmi(
         client.on_define_domain("v1alpha3", read_data("kubevirt-gpus.xml"), vmi_json())
     lines = [r.getMessage() for r in caplog.records if r.name == "launcher_hook"]
     assert len(lines) == 1
-    assert lines[0].startswith("vmi gpus/vmi-h100: policy auto: ua-gpu-gpu1 0000:18:00.0 iommufd")
-    assert "ua-hostdevice-gpu2 0000:2a:00.0 legacy (no VFIO cdev node" in lines[0]
+    assert lines[0].startswith(
+        "vmi 'gpus/vmi-h100': policy auto: 'ua-gpu-gpu1' 0000:18:00.0 iommufd"
+    )
+    assert "'ua-hostdevice-gpu2' 0000:2a:00.0 legacy (no VFIO cdev node" in lines[0]
     assert "<domain" not in lines[0]
 
 
@@ -190,7 +204,7 @@ def test_process_serves_then_exits_cleanly_on_shutdown(tmp_path: Path) -> None:
             process.wait()
     _, stderr = process.communicate()
     log = stderr.decode()
-    assert "vmi gpus/vmi-h100: policy auto:" in log
+    assert "vmi 'gpus/vmi-h100': policy auto:" in log
     assert "Shutdown: virt-launcher is done with the VMI, stopping" in log
     assert not socket.exists()
 
