@@ -1,14 +1,17 @@
-"""What Allocate and GetPreferredAllocation answer for a VFIO resource: pure functions of the
-device tree and the kubelet's request."""
+"""What Allocate and GetPreferredAllocation answer for a VFIO resource, and which requests the
+iommufd resource accepts: pure functions of the device tree (or the slots) and the kubelet's
+request. Ids from a request are quoted and shortened in every message (`quote_untrusted`): a
+megabyte id would otherwise make a megabyte log line and a gRPC error trailer over its limit."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from deviceplugin.inventory import VfioDevice, VfioResource
 from hostdev.bdf import Bdf
+from hostdev.untrusted import quote_untrusted
 
 
 class AllocationError(ValueError):
@@ -32,14 +35,16 @@ def plan_allocation(resource: VfioResource, device_ids: Sequence[str]) -> Contai
         raise AllocationError(f"{resource.name}: the request names no device")
     repeated = [i for i, n in Counter(device_ids).items() if n > 1]
     if repeated:
-        raise AllocationError(f"{resource.name}: device {repeated[0]} is requested twice")
+        raise AllocationError(
+            f"{resource.name}: device {quote_untrusted(repeated[0])} is requested twice"
+        )
     nodes: dict[str, None] = {}
     for device_id in device_ids:
         device = resource.devices.get(device_id)
         if device is None:
             raise AllocationError(
-                f"{resource.name}: unknown device {device_id}: this node does not advertise it"
-                " (see `kubevirt-iommufd inspect`)"
+                f"{resource.name}: unknown device {quote_untrusted(device_id)}: this node does"
+                " not advertise it (see `kubevirt-iommufd inspect`)"
             )
         if not device.healthy:
             raise AllocationError(
@@ -47,6 +52,41 @@ def plan_allocation(resource: VfioResource, device_ids: Sequence[str]) -> Contai
             )
         nodes.update(dict.fromkeys(device.device_nodes))
     return ContainerAllocation(tuple(nodes), {resource.env_name: ",".join(device_ids)})
+
+
+def iommufd_slot_ids(slots: int) -> tuple[str, ...]:
+    """The ids the iommufd resource advertises: `iommufd-000` and up."""
+    return tuple(f"iommufd-{i:03d}" for i in range(slots))
+
+
+def check_slot_request(
+    resource_name: str, slot_ids: Set[str], containers: Sequence[Sequence[str]]
+) -> None:
+    """Refuse an iommufd Allocate unless each container names advertised slots and no slot
+    is named twice in the request: each container gets a hand-off of its own, so the kubelet
+    can never have more containers waiting for one than there are slots."""
+    if not containers:
+        raise AllocationError(f"{resource_name}: the request names no container")
+    seen: set[str] = set()
+    for slots in containers:
+        if not slots:
+            raise AllocationError(f"{resource_name}: a container request names no slot")
+        for slot in slots:
+            if slot not in slot_ids:
+                raise AllocationError(
+                    f"{resource_name}: unknown slot {quote_untrusted(slot)}: this node"
+                    f" advertises {_slot_range(slot_ids)}"
+                )
+            if slot in seen:
+                raise AllocationError(f"{resource_name}: slot {slot} is requested twice")
+            seen.add(slot)
+
+
+def _slot_range(slot_ids: Set[str]) -> str:
+    if not slot_ids:
+        return "no slots"
+    ordered = sorted(slot_ids)
+    return ordered[0] if len(ordered) == 1 else f"{ordered[0]} to {ordered[-1]}"
 
 
 def plan_preferred(

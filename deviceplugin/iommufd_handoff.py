@@ -17,8 +17,10 @@ Decisions:
 - A missing socket dir is created (0755: only the plugin writes there; the launcher sees just its
   bind-mounted socket). Stale `iommufd-*.sock` files (a previous run's) are removed at start:
   nobody serves them any more.
-- The socket gets its owner, mode and (SELinux enforcing) label before `listen()`, so there is no
-  moment where a client could connect with weaker permissions.
+- Each socket is bound and labelled in a private directory and only then renamed into the socket
+  dir (`hostdev.unix_socket`): it appears there already listening with its owner, mode and
+  (SELinux enforcing) label, whatever the plugin's umask, so no client ever finds it with weaker
+  permissions.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Literal
 
 from deviceplugin.iommu_ioctl import set_rlimit_mode_per_process
+from hostdev.unix_socket import MAX_SOCKET_PATH, bind_unix_socket_path
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +51,6 @@ SELINUX_LABEL = b"system_u:object_r:container_file_t:s0"
 QEMU_UID = QEMU_GID = 107
 _PAYLOAD = b"\x00"
 _ALLOCATION_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
-# sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
-_SUN_PATH_MAX = 107
 _UCRED = struct.Struct("3i")
 _Outcome = Literal["served", "expired", "failed"]
 _IOMMU_FIX = (
@@ -129,7 +130,8 @@ class PreparedSocket:
 
 @dataclass(frozen=True)
 class HandoffStats:
-    """Counters since start; `pending` is prepared but neither served, expired nor failed."""
+    """Counters since start; `pending` is prepared but neither served, expired, failed nor
+    withdrawn (a withdrawn one's fd is closed moments later by the serving thread)."""
 
     served: int
     expired: int
@@ -198,9 +200,9 @@ class IommufdHandoff:
         """Open and configure an iommufd and start serving it once on a fresh socket."""
         _check_allocation_id(allocation_id)
         path = self._config.socket_dir / f"iommufd-{allocation_id}.sock"
-        if len(os.fsencode(path)) > _SUN_PATH_MAX:
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise HandoffError(
-                f"socket path {path} is longer than {_SUN_PATH_MAX} bytes, the limit of a unix"
+                f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes, the limit of a unix"
                 " socket address; use a shorter socket dir"
             )
         with self._lock:
@@ -225,18 +227,21 @@ class IommufdHandoff:
         self._wake()
         return PreparedSocket(allocation_id, path)
 
-    def cancel(self, allocation_id: str) -> None:
-        """Withdraw a prepared hand-off nobody will claim (its Allocate failed after all): its
-        fd is closed and its socket removed now rather than at expiry."""
+    def cancel(self, allocation_id: str) -> bool:
+        """Withdraw a prepared hand-off nobody will claim (its Allocate failed after all, or its
+        slot went to another pod): its fd is closed and its socket removed now rather than at
+        expiry. False when it was no longer pending (served, expired or failed)."""
         with self._lock:
             if allocation_id not in self._ids:
-                return
+                return False
             self._cancelled.add(allocation_id)
         self._wake()
+        return True
 
     def stats(self) -> HandoffStats:
         with self._lock:
-            return HandoffStats(self._served, self._expired, self._failed, len(self._ids))
+            pending = len(self._ids - self._cancelled)
+            return HandoffStats(self._served, self._expired, self._failed, pending)
 
     def close(self) -> None:
         """Stop serving: close every pending fd and connection, remove every pending socket."""
@@ -279,24 +284,21 @@ class IommufdHandoff:
     def _listen(self, path: Path) -> socket.socket:
         config = self._config
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(str(path))
-        except OSError as error:
-            listener.close()
-            raise HandoffError(f"cannot bind {path}: {error.strerror}") from error
-        try:
-            os.chown(path, config.owner_uid, config.owner_gid)
-            path.chmod(config.mode)
-            if read_selinux_enforcing(config.root):
-                os.setxattr(path, "security.selinux", SELINUX_LABEL)
+
+        def bind(address: str) -> None:
+            listener.bind(address)
             listener.listen(1)
+
+        label = {"security.selinux": SELINUX_LABEL} if read_selinux_enforcing(config.root) else {}
+        try:
+            bind_unix_socket_path(
+                path, bind, config.mode, uid=config.owner_uid, gid=config.owner_gid, xattrs=label
+            )
             listener.setblocking(False)
         except BaseException as error:
             listener.close()
-            with contextlib.suppress(OSError):
-                path.unlink()
             if isinstance(error, OSError):
-                raise HandoffError(f"cannot set up socket {path}: {error}") from error
+                raise HandoffError(str(error)) from error
             raise
         return listener
 

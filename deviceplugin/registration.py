@@ -11,6 +11,7 @@ from typing import Protocol
 import grpc
 
 from deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from hostdev.unix_socket import MAX_SOCKET_PATH, UnixSocketError, bind_unix_socket_path
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +19,8 @@ API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 # One thread holds each open ListAndWatch stream; the rest serve Allocate and friends.
 _WORKERS = 8
-# sun_path holds 108 bytes including the terminating NUL.
-MAX_SOCKET_PATH = 107
+# Only the kubelet, which runs as root, dials the plugin: nobody else needs to connect.
+SOCKET_MODE = 0o600
 
 
 class RegistrationError(Exception):
@@ -50,11 +51,19 @@ class PluginServer:
 
     def start(self) -> None:
         """Serve; the kubelet dials back as soon as it gets a Register, so this comes first."""
-        self.socket_path.unlink(missing_ok=True)
         executor = futures.ThreadPoolExecutor(max_workers=_WORKERS)
         server = grpc.server(executor)
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
+        try:
+            # Replaces a socket left at the path (ours from before a kubelet restart).
+            bind_unix_socket_path(
+                self.socket_path,
+                lambda address: server.add_insecure_port(f"unix://{address}"),
+                SOCKET_MODE,
+            )
+        except UnixSocketError:
+            executor.shutdown(wait=False)
+            raise
         server.start()
         self._server = server
         self._executor = executor

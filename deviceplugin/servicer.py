@@ -4,13 +4,20 @@ messages and the core's values (deviceplugin.inventory, deviceplugin.allocation)
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import grpc
 
-from deviceplugin.allocation import AllocationError, plan_allocation, plan_preferred
+from deviceplugin.allocation import (
+    AllocationError,
+    check_slot_request,
+    iommufd_slot_ids,
+    plan_allocation,
+    plan_preferred,
+)
 from deviceplugin.feed import Feed
 from deviceplugin.inventory import IOMMU_NODE, VfioResource
 from deviceplugin.iommufd_handoff import CONTAINER_SOCKET_PATH, HandoffError, PreparedSocket
@@ -174,13 +181,13 @@ class Handoff(Protocol):
 
     def prepare(self, allocation_id: str) -> PreparedSocket: ...
 
-    def cancel(self, allocation_id: str) -> None: ...
+    def cancel(self, allocation_id: str) -> bool: ...
 
 
 def _iommufd_snapshot(slots: int, healthy: bool) -> api_pb2.ListAndWatchResponse:
     health = HEALTHY if healthy else UNHEALTHY
     return api_pb2.ListAndWatchResponse(
-        devices=[api_pb2.Device(ID=f"iommufd-{i:03d}", health=health) for i in range(slots)]
+        devices=[api_pb2.Device(ID=i, health=health) for i in iommufd_slot_ids(slots)]
     )
 
 
@@ -209,6 +216,11 @@ class IommufdServicer(_Streaming):
         self._legacy = legacy_without_iommu
         self._handoff = handoff
         self._observe = observe
+        self._slot_ids = frozenset(iommufd_slot_ids(slots))
+        # Allocations are serialised: superseding reads and writes `_by_slot`.
+        self._lock = threading.Lock()
+        self._by_slot: dict[str, str] = {}
+        """The newest allocation id handed out for each slot."""
         self.snapshots = Feed(_iommufd_snapshot(slots, self.healthy))
 
     @property
@@ -226,13 +238,15 @@ class IommufdServicer(_Streaming):
     def Allocate(
         self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
     ) -> api_pb2.AllocateResponse:
-        if not request.container_requests:
-            self._observe(self.resource_name, "refused")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.resource_name}: empty request")
+        containers = [tuple(c.devices_ids) for c in request.container_requests]
+        try:
+            check_slot_request(self.resource_name, self._slot_ids, containers)
+        except AllocationError as error:
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if not self._node_present:
             if not self._legacy:
-                self._observe(self.resource_name, "refused")
-                context.abort(
+                self._refuse(
+                    context,
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"{self.resource_name}: {IOMMU_NODE} is missing on this node; the kernel"
                     " needs CONFIG_IOMMUFD and the plugin pod needs the host's /dev",
@@ -240,60 +254,90 @@ class IommufdServicer(_Streaming):
             log.info(
                 "allocated resource=%s slots=%s without %s: the launcher stays on legacy VFIO",
                 self.resource_name,
-                ",".join(d for c in request.container_requests for d in c.devices_ids),
+                ",".join(s for c in containers for s in c),
                 IOMMU_NODE,
             )
             self._observe(self.resource_name, "ok")
             return api_pb2.AllocateResponse(
-                container_responses=[
-                    api_pb2.ContainerAllocateResponse() for _ in request.container_requests
-                ]
+                container_responses=[api_pb2.ContainerAllocateResponse() for _ in containers]
             )
-        responses = []
-        prepared: list[str] = []
-        for container in request.container_requests:
-            allocation_id = uuid.uuid4().hex[:16]
-            try:
-                socket_path = self._handoff.prepare(allocation_id).host_path
-            except (HandoffError, OSError) as error:
-                # The kubelet gets no answer for the containers already prepared either: their
-                # fds go back now instead of at expiry.
-                for earlier in prepared:
-                    self._handoff.cancel(earlier)
-                self._observe(self.resource_name, "refused")
-                log.error(
-                    "iommufd hand-off failed allocation=%s error=%r", allocation_id, str(error)
-                )
-                context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"{self.resource_name}: cannot prepare an iommufd fd: {error}",
-                )
-            prepared.append(allocation_id)
-            log.info(
-                "allocated resource=%s slots=%s allocation=%s socket=%s",
-                self.resource_name,
-                ",".join(container.devices_ids),
-                allocation_id,
-                socket_path,
-            )
-            responses.append(
-                api_pb2.ContainerAllocateResponse(
-                    devices=[
-                        api_pb2.DeviceSpec(
-                            container_path=IOMMU_NODE, host_path=IOMMU_NODE, permissions="mrw"
-                        )
-                    ],
-                    mounts=[
-                        api_pb2.Mount(
-                            container_path=CONTAINER_SOCKET_PATH,
-                            host_path=str(socket_path),
-                            read_only=False,
-                        )
-                    ],
-                )
-            )
+        with self._lock:
+            prepared: list[str] = []
+            responses = [self._hand_off(slots, prepared, context) for slots in containers]
+            # Only once every container has its fd: a refused request keeps the hand-offs it
+            # would have replaced.
+            for slots, allocation_id in zip(containers, prepared, strict=True):
+                self._supersede(slots, allocation_id)
         self._observe(self.resource_name, "ok")
         return api_pb2.AllocateResponse(container_responses=responses)
+
+    def _hand_off(
+        self, slots: tuple[str, ...], prepared: list[str], context: grpc.ServicerContext
+    ) -> api_pb2.ContainerAllocateResponse:
+        """Prepare one container's fd and note its allocation in `prepared`; on failure
+        withdraw every allocation in `prepared` and abort."""
+        allocation_id = uuid.uuid4().hex[:16]
+        try:
+            socket_path = self._handoff.prepare(allocation_id).host_path
+        except (HandoffError, OSError) as error:
+            # The kubelet gets no answer for the containers already prepared either: their
+            # fds go back now instead of at expiry.
+            for earlier in prepared:
+                self._handoff.cancel(earlier)
+            log.error("iommufd hand-off failed allocation=%s error=%r", allocation_id, str(error))
+            self._refuse(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.resource_name}: cannot prepare an iommufd fd: {error}",
+            )
+        prepared.append(allocation_id)
+        log.info(
+            "allocated resource=%s slots=%s allocation=%s socket=%s",
+            self.resource_name,
+            ",".join(slots),
+            allocation_id,
+            socket_path,
+        )
+        return api_pb2.ContainerAllocateResponse(
+            devices=[
+                api_pb2.DeviceSpec(
+                    container_path=IOMMU_NODE, host_path=IOMMU_NODE, permissions="mrw"
+                )
+            ],
+            mounts=[
+                api_pb2.Mount(
+                    container_path=CONTAINER_SOCKET_PATH,
+                    host_path=str(socket_path),
+                    read_only=False,
+                )
+            ],
+        )
+
+    def _supersede(self, slots: tuple[str, ...], allocation_id: str) -> None:
+        """Hold `allocation_id` as the hand-off of `slots`, withdrawing what it replaces.
+
+        The kubelet allocates a slot again only once the pod that held it is gone, so an earlier
+        hand-off for the slot will never be claimed: keeping it would let pending hand-offs (two
+        fds each) pile up beyond the slots until they expire."""
+        replaced = {self._by_slot[s] for s in slots if s in self._by_slot} - {allocation_id}
+        for slot in slots:
+            self._by_slot[slot] = allocation_id
+        for previous in sorted(replaced):
+            if self._handoff.cancel(previous):
+                log.info(
+                    "iommufd hand-off superseded allocation=%s by=%s: the kubelet allocated its"
+                    " slot again, so its pod is gone",
+                    previous,
+                    allocation_id,
+                )
+
+    def _refuse(
+        self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str
+    ) -> NoReturn:
+        self._observe(self.resource_name, "refused")
+        log.warning("allocate refused resource=%s error=%r", self.resource_name, message)
+        context.abort(code, message)
+        raise AssertionError("grpc's abort returned")  # abort always raises
 
     def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext

@@ -4,7 +4,13 @@ from types import MappingProxyType
 
 import pytest
 
-from deviceplugin.allocation import AllocationError, plan_allocation, plan_preferred
+from deviceplugin.allocation import (
+    AllocationError,
+    check_slot_request,
+    iommufd_slot_ids,
+    plan_allocation,
+    plan_preferred,
+)
 from deviceplugin.inventory import VfioDevice, VfioResource
 from hostdev.bdf import Bdf
 
@@ -76,11 +82,11 @@ def test_allocation_of_two_devices() -> None:
         ([], "nvidia.com/GH100: the request names no device"),
         (
             ["0000:18:00.0", "0000:18:00.0"],
-            "nvidia.com/GH100: device 0000:18:00.0 is requested twice",
+            "nvidia.com/GH100: device '0000:18:00.0' is requested twice",
         ),
         (
             ["0000:01:00.0"],
-            "nvidia.com/GH100: unknown device 0000:01:00.0: this node does not advertise it",
+            "nvidia.com/GH100: unknown device '0000:01:00.0': this node does not advertise it",
         ),
         (
             ["0000:18:00.0", "0000:db:00.0"],
@@ -94,6 +100,72 @@ def test_allocation_refusals_name_the_device(ids: list[str], message: str) -> No
     with pytest.raises(AllocationError) as caught:
         plan_allocation(HGX, ids)
     assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "device_id",
+    ["x" * 1_000_000, "0000:01:00.0\nWARNING forged line", "\u202e00.0:10:0000"],
+    ids=["megabyte", "newline", "bidi-override"],
+)
+def test_a_requested_id_is_quoted_and_shortened_in_refusals(device_id: str) -> None:
+    for ids in ([device_id], [device_id, device_id]):
+        with pytest.raises(AllocationError) as caught:
+            plan_allocation(HGX, ids)
+        message = str(caught.value)
+        assert len(message) < 400
+        assert message.isprintable()
+
+
+SLOTS = frozenset(iommufd_slot_ids(4))
+IOMMUFD = "devices.kubevirt.io/iommufd"
+
+
+def test_slot_ids_are_the_advertised_names() -> None:
+    assert iommufd_slot_ids(3) == ("iommufd-000", "iommufd-001", "iommufd-002")
+    assert len(set(iommufd_slot_ids(110))) == 110
+
+
+def test_slot_request_naming_advertised_slots_passes() -> None:
+    check_slot_request(IOMMUFD, SLOTS, [["iommufd-000"], ["iommufd-003", "iommufd-001"]])
+
+
+@pytest.mark.parametrize(
+    ("containers", "message"),
+    [
+        ([], "devices.kubevirt.io/iommufd: the request names no container"),
+        ([["iommufd-000"], []], "devices.kubevirt.io/iommufd: a container request names no slot"),
+        (
+            [["iommufd-004"]],
+            "devices.kubevirt.io/iommufd: unknown slot 'iommufd-004': this node advertises"
+            " iommufd-000 to iommufd-003",
+        ),
+        ([["0000:18:00.0"]], "unknown slot '0000:18:00.0'"),
+        ([["iommufd-1"]], "unknown slot 'iommufd-1'"),
+        (
+            [["iommufd-002", "iommufd-002"]],
+            "devices.kubevirt.io/iommufd: slot iommufd-002 is requested twice",
+        ),
+        ([["iommufd-002"], ["iommufd-002"]], "slot iommufd-002 is requested twice"),
+        ([["iommufd-000"]] * 500, "slot iommufd-000 is requested twice"),
+        ([["x" * 1_000_000]], "unknown slot 'xxxx"),
+    ],
+    ids=[
+        "no-container",
+        "empty-container",
+        "beyond-the-slots",
+        "another-resources-id",
+        "unpadded",
+        "twice-in-a-container",
+        "twice-across-containers",
+        "500-containers",
+        "megabyte-id",
+    ],
+)
+def test_slot_request_refusals(containers: list[list[str]], message: str) -> None:
+    with pytest.raises(AllocationError) as caught:
+        check_slot_request(IOMMUFD, SLOTS, containers)
+    assert message in str(caught.value)
+    assert len(str(caught.value)) < 400
 
 
 @pytest.mark.parametrize(

@@ -210,11 +210,13 @@ def test_a_cancelled_hand_off_gives_its_fd_back_at_once(
     withdrawn = handoff.prepare("withdrawn").host_path
     kept = handoff.prepare("kept").host_path
     assert len(fds_open_on(host_root / "dev/iommu")) == 2
-    handoff.cancel("withdrawn")
-    handoff.cancel("never-prepared")
-    wait_until(lambda: handoff.stats().pending == 1)
+    assert handoff.cancel("withdrawn")
+    assert not handoff.cancel("never-prepared")
+    # Its room is free at once, before the serving thread has closed its fd.
+    assert handoff.stats().pending == 1
+    wait_until(lambda: len(fds_open_on(host_root / "dev/iommu")) == 1)
     assert not withdrawn.exists() and kept.exists()
-    assert len(fds_open_on(host_root / "dev/iommu")) == 1
+    assert not handoff.cancel("withdrawn")
     os.close(receive_iommufd(kept))
     wait_until(lambda: handoff.stats().served == 1)
     # A withdrawal is neither served, expired nor failed.
@@ -309,6 +311,44 @@ def test_owner_and_mode_are_configurable(make_handoff: MakeHandoff) -> None:
     path = make_handoff(owner_uid=1234, owner_gid=5678, mode=0o600).prepare("custom").host_path
     info = path.lstat()
     assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (0o600, 1234, 5678)
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def test_under_umask_000_the_socket_is_never_seen_with_a_wider_mode(
+    make_handoff: MakeHandoff,
+    tmp_path: Path,
+    open_umask: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    socket_dir = tmp_path / "sockets"
+    handoff = make_handoff(mode=0o660)
+    seen: dict[str, int] = {}
+    chown = os.chown
+
+    def chown_and_look(path: str | os.PathLike[str], uid: int, gid: int) -> None:
+        # The moment between bind() and the socket getting its owner and mode.
+        seen.update(
+            (entry.name, stat.S_IMODE(entry.lstat().st_mode))
+            for entry in socket_dir.iterdir()
+            if entry.is_socket()
+        )
+        chown(path, uid, gid)
+
+    monkeypatch.setattr(os, "chown", chown_and_look)
+    path = handoff.prepare("umask").host_path
+    monkeypatch.undo()
+    assert {name: mode for name, mode in seen.items() if mode & stat.S_IWOTH} == {}
+    assert stat.S_IMODE(path.lstat().st_mode) == 0o660
+    assert sorted(p.name for p in socket_dir.iterdir()) == ["iommufd-umask.sock"]
+    os.close(receive_iommufd(path))
 
 
 @pytest.mark.parametrize(

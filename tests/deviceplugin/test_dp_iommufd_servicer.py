@@ -36,8 +36,9 @@ class FlakyHandoff:
         self.prepared.append(allocation_id)
         return PreparedSocket(allocation_id, Path(f"/run/iommufd-{allocation_id}.sock"))
 
-    def cancel(self, allocation_id: str) -> None:
+    def cancel(self, allocation_id: str) -> bool:
         self.cancelled.append(allocation_id)
+        return True
 
 
 def test_a_failed_container_withdraws_the_ones_prepared_before_it() -> None:

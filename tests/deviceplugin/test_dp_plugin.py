@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 
 from conftest import BuildHost
-from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
-from deviceplugin.manager import PluginManager
-from deviceplugin.metrics import PluginMetrics
 from hostdev.config import (
     DeviceMode,
     PluginConfig,
@@ -26,12 +21,9 @@ from hostdev.config import (
     Selectors,
     default_config,
 )
-from hostdev.pciids import PciIds
-from hostdev.simhost import SCENARIOS, bind_driver, unbind_driver
-from kubevirt_iommufd.kubelet_standin import KubeletStandIn
+from hostdev.simhost import bind_driver, unbind_driver
+from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
 
-H100 = "nvidia.com/GH100H100_SXM5_80GB"
-IOMMUFD = "devices.kubevirt.io/iommufd"
 GPUS = [
     "0000:18:00.0",
     "0000:2a:00.0",
@@ -46,70 +38,16 @@ GPUS = [
 
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
-    # Unix socket paths hold at most 107 bytes; pytest's tmp_path can be longer.
-    path = Path(tempfile.mkdtemp(prefix="kp-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@dataclass
-class Plugin:
-    root: Path
-    kubelet: KubeletStandIn
-    manager: PluginManager
-    handoff: IommufdHandoff
-    metrics: PluginMetrics
-    thread: threading.Thread
-
-    def stop(self) -> None:
-        self.manager.stop()
-        self.thread.join(5)
-        self.handoff.close()
+    with short_directory("kp-") as path:
+        yield path
 
 
 @pytest.fixture
 def start_plugin(
     build_host: BuildHost, short_dir: Path, tmp_path: Path
 ) -> Iterator[Callable[..., Plugin]]:
-    started: list[Plugin] = []
-    names = tmp_path / "pci.ids"
-    names.write_text("10de  NVIDIA Corporation\n\t2330  GH100[H100 SXM5 80GB]\n")
-
-    def start(
-        scenario: str = "hgx-h100",
-        config: PluginConfig | None = None,
-        *,
-        kubelet_first: bool = True,
-    ) -> Plugin:
-        root = build_host(SCENARIOS[scenario]())
-        kubelet = KubeletStandIn(short_dir / "kubelet")
-        if kubelet_first:
-            kubelet.start()
-        metrics = PluginMetrics()
-        handoff = IommufdHandoff(
-            HandoffConfig(socket_dir=short_dir / "fds", root=root, owner_uid=0, owner_gid=0),
-            set_rlimit_mode=lambda fd: None,
-        )
-        metrics.watch_handoffs(handoff.stats)
-        manager = PluginManager(
-            config or default_config(),
-            root,
-            short_dir / "kubelet",
-            PciIds(names),
-            metrics,
-            handoff,
-        )
-        manager.start()
-        thread = threading.Thread(target=manager.run, daemon=True)
-        thread.start()
-        plugin = Plugin(root, kubelet, manager, handoff, metrics, thread)
-        started.append(plugin)
-        return plugin
-
-    yield start
-    for plugin in started:
-        plugin.stop()
-        plugin.kubelet.stop()
+    with plugin_starter(build_host, short_dir, tmp_path) as start:
+        yield start
 
 
 def test_registers_both_resources_with_topology(start_plugin: Callable[..., Plugin]) -> None:
@@ -149,7 +87,7 @@ def test_allocate_hands_out_cdevs_group_nodes_and_env(start_plugin: Callable[...
 @pytest.mark.parametrize(
     ("ids", "message"),
     [
-        (["0000:01:00.0"], "unknown device 0000:01:00.0"),
+        (["0000:01:00.0"], "unknown device '0000:01:00.0'"),
         ([], "the request names no device"),
     ],
 )

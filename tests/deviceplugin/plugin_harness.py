@@ -1,0 +1,99 @@
+"""The whole device plugin (manager, servers, hand-off) on a simulated node against the kubelet
+stand-in, for tests that talk to it over real gRPC."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import BuildHost
+from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
+from deviceplugin.manager import PluginManager
+from deviceplugin.metrics import PluginMetrics
+from hostdev.config import PluginConfig, default_config
+from hostdev.pciids import PciIds
+from hostdev.simhost import SCENARIOS
+from kubevirt_iommufd.kubelet_standin import KubeletStandIn
+
+H100 = "nvidia.com/GH100H100_SXM5_80GB"
+IOMMUFD = "devices.kubevirt.io/iommufd"
+
+
+@dataclass
+class Plugin:
+    root: Path
+    kubelet: KubeletStandIn
+    manager: PluginManager
+    handoff: IommufdHandoff
+    metrics: PluginMetrics
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.manager.stop()
+        self.thread.join(5)
+        self.handoff.close()
+
+
+@contextmanager
+def short_directory(prefix: str) -> Iterator[Path]:
+    # Unix socket paths hold at most 107 bytes; pytest's tmp_path can be longer.
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def plugin_starter(
+    build_host: BuildHost, short_dir: Path, tmp_path: Path
+) -> Iterator[Callable[..., Plugin]]:
+    """A function that starts plugins; each is stopped, with its kubelet, on leaving."""
+    started: list[Plugin] = []
+    names = tmp_path / "pci.ids"
+    names.write_text("10de  NVIDIA Corporation\n\t2330  GH100[H100 SXM5 80GB]\n")
+
+    def start(
+        scenario: str = "hgx-h100",
+        config: PluginConfig | None = None,
+        *,
+        kubelet_first: bool = True,
+        expiry_seconds: float = 15 * 60.0,
+    ) -> Plugin:
+        root = build_host(SCENARIOS[scenario]())
+        kubelet = KubeletStandIn(short_dir / "kubelet")
+        if kubelet_first:
+            kubelet.start()
+        metrics = PluginMetrics()
+        handoff = IommufdHandoff(
+            HandoffConfig(
+                socket_dir=short_dir / "fds",
+                root=root,
+                owner_uid=0,
+                owner_gid=0,
+                expiry_seconds=expiry_seconds,
+            ),
+            set_rlimit_mode=lambda fd: None,
+        )
+        metrics.watch_handoffs(handoff.stats)
+        manager = PluginManager(
+            config or default_config(), root, short_dir / "kubelet", PciIds(names), metrics, handoff
+        )
+        manager.start()
+        thread = threading.Thread(target=manager.run, daemon=True)
+        thread.start()
+        plugin = Plugin(root, kubelet, manager, handoff, metrics, thread)
+        started.append(plugin)
+        return plugin
+
+    try:
+        yield start
+    finally:
+        for plugin in started:
+            plugin.stop()
+            plugin.kubelet.stop()

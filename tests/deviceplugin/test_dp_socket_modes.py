@@ -1,0 +1,81 @@
+"""The plugin's gRPC sockets get mode 0600 whatever the umask, and the kubelet (root) still
+reaches them: registration, Allocate and re-registration over real gRPC under umask 000."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import BuildHost
+from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    with short_directory("km-") as path:
+        yield path
+
+
+@pytest.fixture
+def start_plugin(
+    build_host: BuildHost, short_dir: Path, tmp_path: Path
+) -> Iterator[Callable[..., Plugin]]:
+    with plugin_starter(build_host, short_dir, tmp_path) as start:
+        yield start
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def _plugin_socket_modes(directory: Path) -> dict[str, int]:
+    return {
+        p.name: stat.S_IMODE(p.lstat().st_mode) for p in directory.glob("kubevirt-iommufd-*.sock")
+    }
+
+
+EXPECTED = {
+    "kubevirt-iommufd-nvidia.com_GH100H100_SXM5_80GB.sock": 0o600,
+    "kubevirt-iommufd-devices.kubevirt.io_iommufd.sock": 0o600,
+}
+
+
+def test_plugin_sockets_are_0600_under_umask_000_and_the_kubelet_reaches_them(
+    start_plugin: Callable[..., Plugin], open_umask: None
+) -> None:
+    plugin = start_plugin()
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(H100)
+    kubelet.wait_registered(IOMMUFD)
+    assert _plugin_socket_modes(kubelet.directory) == EXPECTED
+    assert kubelet.allocate(H100, ["0000:18:00.0"]).container_responses
+    # Served anew after a kubelet restart: the same mode again, and nothing else left behind.
+    kubelet.restart()
+    kubelet.wait_registered(H100, count=2)
+    kubelet.wait_registered(IOMMUFD, count=2)
+    assert _plugin_socket_modes(kubelet.directory) == EXPECTED
+    assert sorted(p.name for p in kubelet.directory.iterdir()) == sorted(
+        [*EXPECTED, "kubelet.sock"]
+    )
+    assert kubelet.allocate(H100, ["0000:18:00.0"]).container_responses
+
+
+def test_a_removed_plugin_socket_comes_back_0600(
+    start_plugin: Callable[..., Plugin], open_umask: None
+) -> None:
+    plugin = start_plugin()
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(H100)
+    kubelet.wait_registered(IOMMUFD)
+    (kubelet.directory / "kubevirt-iommufd-nvidia.com_GH100H100_SXM5_80GB.sock").unlink()
+    kubelet.wait_registered(H100, count=2)
+    assert _plugin_socket_modes(kubelet.directory) == EXPECTED
