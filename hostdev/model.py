@@ -73,6 +73,9 @@ class PciFunction:
     """The kernel's reset methods in the order it tries them (`reset_method`: `flr`, `pm`,
     `bus`, ...), `("default",)` on kernels before 5.15 that only offer `reset`, `()` when the
     device cannot be reset, None when discovery was not asked to read them."""
+    pcie_root: str | None = None
+    """The PCI host bridge the device hangs off, as sysfs names it (`pci0000:00`): the value of
+    the standard DRA attribute `resource.kubernetes.io/pcieRoot`."""
 
     @property
     def is_bridge(self) -> bool:

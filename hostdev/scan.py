@@ -328,6 +328,7 @@ def _read_function(
             vfio_cdev_present=vfio_cdev is not None and vfio_cdev in links.cdev_nodes,
             vfio_sysfs_without_cdev=vfio_without_cdev,
             reset_methods=read.reset_methods() if reset_methods else None,
+            pcie_root=_pcie_root(target),
         )
     except _DeviceGone:
         return None  # its attributes went away under us: hot-unplug
@@ -347,6 +348,14 @@ def _ids_from_modalias(modalias: str) -> tuple[int, int, int, int, int] | None:
         int(g, 16) for g in match.groups()
     )
     return vendor, device, sub_vendor, sub_device, base << 16 | sub << 8 | prog_if
+
+
+def _pcie_root(link_target: str) -> str | None:
+    """`pci0000:00` from a device's /sys/devices path: `…/devices/pci0000:00/…/<bdf>`."""
+    for part in link_target.split("/"):
+        if part.startswith("pci") and part != "pci":
+            return sys.intern(part)
+    return None
 
 
 def _upstream_bridges(link_target: str, name: str) -> tuple[Bdf, ...]:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from deviceplugin import command as plugin_command
+from dra import command as dra_command
 from hostdev.errors import HostdevError
 from kubevirt_iommufd import bind_command, certs_command, demo_command, inspect_command
 from launcher_hook import command as hook_command
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_command.add_parser(commands)
     bind_command.add_parser(commands)
     plugin_command.add_parser(commands)
+    dra_command.add_parser(commands)
     webhook_command.add_parser(commands)
     hook_command.add_parser(commands)
     demo_command.add_parser(commands)

@@ -1,0 +1,144 @@
+"""The CDI spec and KEP-5304 device metadata a prepared claim hands to its pod. Pure.
+
+One spec file per claim. It names, per device, the VFIO nodes the container needs: the cdev and
+/dev/iommu where the device can use iommufd, and always the legacy container and group node,
+which KubeVirt's DRA path opens (and chowns for QEMU only when /dev/vfio/vfio is in the pod).
+Beside the devices, one entry per request mounts that request's metadata file where KubeVirt
+reads the device's PCI address.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+from dra.claims import ClaimAllocation
+from dra.devices import AttributeValue, typed_attributes
+
+CDI_VERSION = "0.6.0"
+METADATA_API_VERSION = "metadata.resource.k8s.io/v1alpha1"
+METADATA_ROOT = PurePosixPath("/var/run/kubernetes.io/dra-device-attributes")
+_NOT_CDI_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
+Object = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    """An allocated device as this node has it."""
+
+    request: str
+    pool: str
+    device: str
+    device_nodes: tuple[str, ...]
+    attributes: Mapping[str, AttributeValue]
+
+
+def cdi_kind(driver: str) -> str:
+    return f"{driver}/claim"
+
+
+def spec_file_name(driver: str, claim_uid: str) -> str:
+    return f"{driver}-claim_{claim_uid}.json"
+
+
+def device_cdi_name(claim_uid: str, device: str) -> str:
+    return f"{claim_uid}-{device}"
+
+
+def metadata_cdi_name(claim_uid: str, request: str) -> str:
+    return f"{claim_uid}-metadata-{_NOT_CDI_NAME.sub('_', request)}"
+
+
+def cdi_id(driver: str, name: str) -> str:
+    """The fully qualified name the kubelet passes to the runtime: `<vendor>/<class>=<name>`."""
+    return f"{cdi_kind(driver)}={name}"
+
+
+def metadata_container_path(allocation: ClaimAllocation, request: str, driver: str) -> str:
+    """Where KubeVirt looks for a request's metadata: under the pod's own name for a claim made
+    from a template, under the claim's name otherwise."""
+    if allocation.pod_claim_name:
+        base = METADATA_ROOT / "resourceclaimtemplates" / allocation.pod_claim_name
+    else:
+        base = METADATA_ROOT / "resourceclaims" / allocation.ref.name
+    return str(base / request / f"{driver}-metadata.json")
+
+
+def build_metadata(
+    allocation: ClaimAllocation, request: str, driver: str, devices: Sequence[PreparedDevice]
+) -> Object:
+    """The KEP-5304 DeviceMetadata document for one request of the claim."""
+    ref = allocation.ref
+    document: Object = {
+        "apiVersion": METADATA_API_VERSION,
+        "kind": "DeviceMetadata",
+        "metadata": {
+            "name": ref.name,
+            "namespace": ref.namespace,
+            "uid": ref.uid,
+            "generation": allocation.generation,
+        },
+    }
+    if allocation.pod_claim_name:
+        document["podClaimName"] = allocation.pod_claim_name
+    document["requests"] = [
+        {
+            "name": request,
+            "devices": [
+                {
+                    "driver": driver,
+                    "pool": d.pool,
+                    "name": d.device,
+                    "attributes": typed_attributes(d.attributes),
+                }
+                for d in devices
+                if d.request == request
+            ],
+        }
+    ]
+    return document
+
+
+def build_spec(
+    allocation: ClaimAllocation,
+    driver: str,
+    devices: Sequence[PreparedDevice],
+    metadata_host_paths: Mapping[str, str],
+) -> Object:
+    """The claim's CDI spec: one entry per device with its nodes, one per request with the
+    read-only mount of that request's metadata file (host path by request name)."""
+    uid = allocation.ref.uid
+    entries: list[Object] = [
+        {
+            "name": device_cdi_name(uid, d.device),
+            "containerEdits": {"deviceNodes": [{"path": node} for node in d.device_nodes]},
+        }
+        for d in devices
+    ]
+    entries += [
+        {
+            "name": metadata_cdi_name(uid, request),
+            "containerEdits": {
+                "mounts": [
+                    {
+                        "hostPath": host_path,
+                        "containerPath": metadata_container_path(allocation, request, driver),
+                        "options": ["ro", "nosuid", "nodev", "bind"],
+                    }
+                ]
+            },
+        }
+        for request, host_path in sorted(metadata_host_paths.items())
+    ]
+    return {"cdiVersion": CDI_VERSION, "kind": cdi_kind(driver), "devices": entries}
+
+
+def build_cdi_ids(driver: str, claim_uid: str, device: PreparedDevice) -> tuple[str, ...]:
+    """What the kubelet hands the runtime for one device: its nodes and its request's metadata."""
+    return (
+        cdi_id(driver, device_cdi_name(claim_uid, device.device)),
+        cdi_id(driver, metadata_cdi_name(claim_uid, device.request)),
+    )

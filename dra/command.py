@@ -1,0 +1,163 @@
+"""`kubevirt-iommufd dra`: the DRA kubelet plugin daemon."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+from hostdev.config import ConfigError, default_config, load_config
+from hostdev.pciids import PciIds
+
+DEFAULT_DRIVER = "vfio.kubevirt-iommufd.io"
+DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet")
+DEFAULT_CDI_DIR = Path("/var/run/cdi")
+DEFAULT_STATE_DIR = Path("/var/lib/kubevirt-iommufd/dra")
+_DNS_SUBDOMAIN = re.compile(
+    r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
+log = logging.getLogger("dra")
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    dra = commands.add_parser(
+        "dra",
+        help="run the DRA driver (ResourceSlices, NodePrepare/NodeUnprepare with CDI)",
+        description=(
+            "Publish this node's VFIO PCI devices as ResourceSlices (resource.k8s.io/v1) and"
+            " prepare the claims the scheduler allocates on them: a CDI spec with the device's"
+            " cdev, /dev/iommu, /dev/vfio/vfio and group node, and the device metadata file"
+            " KubeVirt reads. Serves the kubelet's plugin registration and DRAPlugin v1 and"
+            " v1beta1. Runs until SIGTERM or SIGINT, then removes its sockets and exits 0."
+        ),
+    )
+    dra.add_argument("--node-name", required=True, metavar="NAME", help="this node's name")
+    dra.add_argument(
+        "--driver-name",
+        default=DEFAULT_DRIVER,
+        metavar="NAME",
+        help=f"the driver's name in slices, classes and claims (default: {DEFAULT_DRIVER})",
+    )
+    dra.add_argument(
+        "--config", type=Path, metavar="FILE", help="YAML or JSON config (the device plugin's)"
+    )
+    dra.add_argument(
+        "--root", type=Path, default=Path("/"), metavar="DIR", help="host root (default: /)"
+    )
+    dra.add_argument(
+        "--kubelet-dir",
+        type=Path,
+        default=DEFAULT_KUBELET_DIR,
+        metavar="DIR",
+        help=f"the kubelet's root directory (default: {DEFAULT_KUBELET_DIR})",
+    )
+    dra.add_argument(
+        "--cdi-dir",
+        type=Path,
+        default=DEFAULT_CDI_DIR,
+        metavar="DIR",
+        help=f"where the container runtime reads CDI specs (default: {DEFAULT_CDI_DIR})",
+    )
+    dra.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        metavar="DIR",
+        help="prepared claims and their metadata files, kept across restarts"
+        f" (default: {DEFAULT_STATE_DIR})",
+    )
+    dra.add_argument(
+        "--kubeconfig",
+        type=Path,
+        metavar="FILE",
+        help="kubeconfig for the API server (default: the pod's service account)",
+    )
+    dra.add_argument(
+        "--rescan-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how often the whole host is read again (default: 5)",
+    )
+    dra.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    dra.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so that the command's other subcommands start without gRPC and the client.
+    from dra.api import ResourceApi, load_api_client
+    from dra.driver import DraDriver, DriverSettings
+    from dra.state import StateError
+    from hostdev.errors import HostdevError
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    problem = _check_args(args)
+    if problem:
+        print(f"kubevirt-iommufd dra: {problem}", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config) if args.config else default_config()
+    except ConfigError as error:
+        print(f"kubevirt-iommufd dra: {error}", file=sys.stderr)
+        return 2
+    try:
+        api = ResourceApi(load_api_client(args.kubeconfig))
+    except Exception as error:
+        print(
+            f"kubevirt-iommufd dra: no API server configuration: {error}; run in a pod with a"
+            " service account, or pass --kubeconfig",
+            file=sys.stderr,
+        )
+        return 2
+    names = PciIds(config.pci_ids) if config.pci_ids else PciIds.find()
+    settings = DriverSettings(
+        node=args.node_name,
+        driver=args.driver_name,
+        root=args.root,
+        kubelet_dir=args.kubelet_dir,
+        cdi_dir=args.cdi_dir,
+        state_dir=args.state_dir,
+        rescan_interval=args.rescan_interval,
+    )
+    stopping = threading.Event()
+
+    def on_signal(number: int, frame: FrameType | None) -> None:
+        log.info("stopping signal=%s", signal.Signals(number).name)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        driver = DraDriver(settings, config, names, api)
+        driver.start()
+    except (HostdevError, StateError, OSError) as error:
+        print(f"kubevirt-iommufd dra: {error}", file=sys.stderr)
+        return 1
+    stopping.wait()
+    driver.stop()
+    log.info("stopped")
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if not _DNS_SUBDOMAIN.fullmatch(args.driver_name) or len(args.driver_name) > 63:
+        return (
+            f"--driver-name {args.driver_name!r}: expected a DNS subdomain of at most 63"
+            " characters, such as vfio.kubevirt-iommufd.io"
+        )
+    if not _DNS_SUBDOMAIN.fullmatch(args.node_name):
+        return f"--node-name {args.node_name!r}: expected a node name (a DNS subdomain)"
+    if not args.root.is_dir():
+        return f"--root {args.root} is not a directory"
+    if args.rescan_interval < 0.1:
+        return f"--rescan-interval {args.rescan_interval}: expected at least 0.1 seconds"
+    return None

@@ -1,0 +1,158 @@
+"""Which PCI functions the DRA driver publishes, and what each looks like to the scheduler.
+
+A pure function of the host inventory and the node configuration the device plugin also reads:
+the same selectors pick the same functions. A function is published only while a VM could be
+given it now (on a VFIO driver, its IOMMU group viable, its device nodes present); one that
+turns unusable leaves the slice, so the scheduler never places a claim on it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
+from hostdev.bdf import Bdf
+from hostdev.config import PluginConfig
+from hostdev.model import HostInventory, IommuGroup, PciFunction
+from hostdev.naming import nvidia_device_name
+from hostdev.pciids import PciIds
+from hostdev.selection import resource_for
+
+IOMMU_NODE = "/dev/iommu"
+VFIO_CONTAINER_NODE = "/dev/vfio/vfio"
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+# The API server caps string attribute values at 64 characters.
+MAX_STRING_ATTRIBUTE = 64
+
+_DEVICE_NAME = re.compile(r"pci-([0-9a-f]{4,8})-([0-9a-f]{2})-([01][0-9a-f])-([0-7])")
+
+AttributeValue = str | int | bool
+
+
+@dataclass(frozen=True, slots=True)
+class DraDevice:
+    """One published device: a PCI function, named as a DNS label, with its attributes and the
+    device nodes a claim on it hands to the container."""
+
+    name: str
+    bdf: Bdf
+    resource: str
+    """The resource the configuration puts it in (the device plugin's name for it)."""
+    attributes: Mapping[str, AttributeValue]
+    device_nodes: tuple[str, ...]
+    """Host paths the container gets: the cdev and /dev/iommu when iommufd can be used, and
+    always (when present) /dev/vfio/vfio and the group node, which KubeVirt's DRA path uses."""
+    group: int
+
+
+def device_name(bdf: Bdf) -> str:
+    """A DNS label for a PCI address: `0000:65:00.0` → `pci-0000-65-00-0`."""
+    return "pci-" + str(bdf).replace(":", "-").replace(".", "-")
+
+
+def bdf_of_device(name: str) -> Bdf | None:
+    """The PCI address a device name stands for; None for a name this driver never gives."""
+    match = _DEVICE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    domain, bus, slot, function = match.groups()
+    return Bdf.parse(f"{domain}:{bus}:{slot}.{function}")
+
+
+def build_devices(
+    inventory: HostInventory, config: PluginConfig, names: PciIds
+) -> tuple[DraDevice, ...]:
+    """Every function the configuration selects that a VM could be given now, in address order."""
+    judged = (judge_function(f, inventory, config, names) for f in inventory.functions)
+    return tuple(sorted((d for d in judged if isinstance(d, DraDevice)), key=lambda d: d.bdf))
+
+
+def judge_function(
+    function: PciFunction, inventory: HostInventory, config: PluginConfig, names: PciIds
+) -> DraDevice | str:
+    """The function as a published device, or why it is not one."""
+    chosen = resource_for(function, config.resources, names)
+    group = inventory.group_of(function)
+    problems = blockers(function, group, inventory.capabilities)
+    # A function the drivers selector left out for its driver is best explained by that driver.
+    if problems:
+        return "; ".join(problems)
+    if chosen is None:
+        return "no resource of the configuration selects it"
+    if group is None:
+        return "in no IOMMU group"
+    nodes = _device_nodes(function, group, inventory)
+    if isinstance(nodes, str):
+        return nodes
+    return DraDevice(
+        name=device_name(function.bdf),
+        bdf=function.bdf,
+        resource=chosen[0],
+        attributes=build_attributes(function, group, chosen[0], names, IOMMU_NODE in nodes),
+        device_nodes=nodes,
+        group=group.number,
+    )
+
+
+def _device_nodes(
+    function: PciFunction, group: IommuGroup, inventory: HostInventory
+) -> tuple[str, ...] | str:
+    caps = inventory.capabilities
+    no_iommufd = iommufd_gaps(function, caps)
+    no_legacy = legacy_gaps(group, caps)
+    if no_iommufd and no_legacy:
+        return "; ".join(no_iommufd + no_legacy)
+    iommufd, legacy = not no_iommufd, not no_legacy
+    nodes: list[str] = []
+    if iommufd and function.cdev_path is not None:
+        nodes += [function.cdev_path, IOMMU_NODE]
+    if legacy:
+        nodes += [VFIO_CONTAINER_NODE, group.legacy_node]
+    return tuple(nodes)
+
+
+def build_attributes(
+    function: PciFunction, group: IommuGroup, resource: str, names: PciIds, iommufd: bool
+) -> Mapping[str, AttributeValue]:
+    """The device's attributes: the two standard PCI ones, then ours (unqualified names are in
+    the driver's own domain), each as CEL in a DeviceClass or claim would select on it."""
+    attributes: dict[str, AttributeValue] = {PCI_BUS_ID: str(function.bdf)}
+    if function.pcie_root is not None:
+        attributes[PCIE_ROOT] = function.pcie_root
+    product = nvidia_device_name(
+        names.device_name(function.vendor_id, function.device_id), function.device_id
+    )
+    attributes |= {
+        "vendorID": f"{function.vendor_id:04x}",
+        "deviceID": f"{function.device_id:04x}",
+        "pciClass": f"{function.class_code:06x}",
+        "productName": product[:MAX_STRING_ATTRIBUTE],
+        "iommuGroup": group.number,
+        "iommufd": iommufd,
+        "currentDriver": function.driver or "",
+    }
+    if len(resource) <= MAX_STRING_ATTRIBUTE:
+        attributes["resourceName"] = resource
+    if function.numa_node is not None:
+        attributes["numaNode"] = function.numa_node
+    return MappingProxyType(attributes)
+
+
+def typed_attributes(attributes: Mapping[str, AttributeValue]) -> dict[str, Any]:
+    """Attributes as the API writes them (`{"string": …}`, `{"int": …}`, `{"bool": …}`), in
+    slices and in the metadata files alike."""
+    typed: dict[str, Any] = {}
+    for key, value in attributes.items():
+        # bool before int: Python's bool is an int.
+        if isinstance(value, bool):
+            typed[key] = {"bool": value}
+        elif isinstance(value, int):
+            typed[key] = {"int": value}
+        else:
+            typed[key] = {"string": value}
+    return typed

@@ -1,0 +1,134 @@
+"""The driver's two sockets in the kubelet's directory, kept there for as long as it runs.
+
+`plugins/<driver>/dra.sock` serves DRAPlugin (v1 and v1beta1); `plugins_registry/<driver>-reg.sock`
+serves Registration, and its appearance is what makes the kubelet's plugin watcher call GetInfo.
+A restarting kubelet may wipe either directory: a guard thread notices a socket that is gone (or
+is no longer ours) within `check_interval` and serves it anew, which registers the driver again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from dra.pluginregistration.v1 import api_pb2_grpc as registration_grpc
+from dra.servicer import DraServicerV1, DraServicerV1beta1, RegistrationServicer
+from dra.v1 import api_pb2_grpc as v1_grpc
+from dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from hostdev.unix_socket import bind_unix_socket_path
+
+log = logging.getLogger(__name__)
+_WORKERS = 8
+# Only the kubelet (root) talks to these sockets.
+SOCKET_MODE = 0o600
+
+
+def dra_socket_path(kubelet_dir: Path, driver: str) -> Path:
+    return kubelet_dir / "plugins" / driver / "dra.sock"
+
+
+def registration_socket_path(kubelet_dir: Path, driver: str) -> Path:
+    return kubelet_dir / "plugins_registry" / f"{driver}-reg.sock"
+
+
+class _Served:
+    """One gRPC server on one socket path, restartable."""
+
+    def __init__(self, path: Path, add_services: Callable[[grpc.Server], None]) -> None:
+        self.path = path
+        self._add_services = add_services
+        self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
+        self._inode: int | None = None
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        executor = futures.ThreadPoolExecutor(max_workers=_WORKERS)
+        server = grpc.server(executor)
+        self._add_services(server)
+        bind_unix_socket_path(
+            self.path, lambda address: server.add_insecure_port(f"unix:{address}"), SOCKET_MODE
+        )
+        server.start()
+        self._server, self._executor = server, executor
+        self._inode = self.path.stat().st_ino
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(0.2).wait()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+        if self._inode is not None and self.present:
+            self.path.unlink(missing_ok=True)
+        self._inode = None
+
+    @property
+    def present(self) -> bool:
+        try:
+            return self.path.stat().st_ino == self._inode
+        except OSError:
+            return False
+
+
+class KubeletSockets:
+    def __init__(
+        self,
+        kubelet_dir: Path,
+        driver: str,
+        v1: DraServicerV1,
+        v1beta1: DraServicerV1beta1,
+        check_interval: float = 0.2,
+    ) -> None:
+        dra_path = dra_socket_path(kubelet_dir, driver)
+        self.registration = RegistrationServicer(driver, str(dra_path))
+
+        def add_dra(server: grpc.Server) -> None:
+            v1_grpc.add_DRAPluginServicer_to_server(v1, server)
+            v1beta1_grpc.add_DRAPluginServicer_to_server(v1beta1, server)
+
+        def add_registration(server: grpc.Server) -> None:
+            registration_grpc.add_RegistrationServicer_to_server(self.registration, server)
+
+        # The DRA socket first: the kubelet dials it as soon as registration succeeds.
+        self._served = (
+            _Served(dra_path, add_dra),
+            _Served(registration_socket_path(kubelet_dir, driver), add_registration),
+        )
+        self._interval = check_interval
+        self._stop = threading.Event()
+        self._guard: threading.Thread | None = None
+        self.restarts = 0
+        """How often a socket was found gone and served again (a kubelet restart, mostly)."""
+
+    def start(self) -> None:
+        for served in self._served:
+            served.start()
+        self._guard = threading.Thread(target=self._watch, name="dra-sockets", daemon=True)
+        self._guard.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._guard is not None:
+            self._guard.join()
+        for served in reversed(self._served):
+            served.stop()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._interval):
+            for served in self._served:
+                if served.present:
+                    continue
+                log.warning("%s is gone (kubelet restart?): serving it again", served.path)
+                try:
+                    served.stop()
+                    served.start()
+                    self.restarts += 1
+                except OSError as error:
+                    log.error("cannot serve %s again: %s; retrying", served.path, error)

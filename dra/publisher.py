@@ -1,0 +1,159 @@
+"""Keeps the API server's ResourceSlices for this node equal to the devices the host offers.
+
+One thread reconciles: list this node's slices of this driver, plan (`slices.plan_slices`),
+write. It runs when the devices change, when a watch sees a slice changed by anyone but us (the
+kubelet deletes a node's slices when it starts, and a driver's 30 s after the driver's socket
+went away), and once a minute regardless. An API server that cannot be reached is retried with
+backoff; nothing else of the driver waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from dra.api import ApiError, ResourceApi
+from dra.devices import DraDevice
+from dra.slices import Owner, SlicePlan, plan_slices
+
+log = logging.getLogger(__name__)
+RESYNC_SECONDS = 60.0
+WATCH_SECONDS = 300
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 30.0
+
+
+class SlicePublisher:
+    def __init__(
+        self,
+        api: ResourceApi,
+        node: str,
+        driver: str,
+        devices: Sequence[DraDevice],
+        *,
+        backoff_first: float = BACKOFF_FIRST,
+        backoff_max: float = BACKOFF_MAX,
+    ) -> None:
+        self._api = api
+        self._node = node
+        self._driver = driver
+        self._devices = tuple(devices)
+        self._owner: Owner | None = None
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._ours: set[str] = set()
+        """resourceVersions of our own writes, so the watch does not wake us for them."""
+        self._backoff = (backoff_first, backoff_max)
+        self._threads: list[threading.Thread] = []
+        self.generation = 0
+        self.published = threading.Event()
+        """Set once the API server holds the current devices; cleared while it does not."""
+        self.last_error: str | None = None
+
+    def start(self) -> None:
+        self._dirty.set()
+        for target, name in ((self._reconcile_loop, "dra-slices"), (self._watch_loop, "dra-watch")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._dirty.set()
+        for thread in self._threads:
+            # The watch thread may sit in a long read; it is a daemon and ends with the process.
+            thread.join(timeout=1.0)
+
+    def update(self, devices: Sequence[DraDevice]) -> None:
+        """The host's devices changed: publish these."""
+        with self._lock:
+            if tuple(devices) == self._devices:
+                return
+            self._devices = tuple(devices)
+        self.published.clear()
+        self._dirty.set()
+
+    def _reconcile_loop(self) -> None:
+        delay = self._backoff[0]
+        while not self._stop.is_set():
+            self._dirty.wait(RESYNC_SECONDS)
+            if self._stop.is_set():
+                return
+            self._dirty.clear()
+            try:
+                self._reconcile()
+            except ApiError as error:
+                self.last_error = str(error)
+                if not error.conflict:
+                    log.warning("publishing slices failed: %s; retrying in %.1f s", error, delay)
+                    self._stop.wait(delay)
+                    delay = min(delay * 2, self._backoff[1])
+                self._dirty.set()
+                continue
+            delay = self._backoff[0]
+            self.last_error = None
+
+    def _reconcile(self) -> None:
+        if self._owner is None:
+            self._owner = Owner(self._node, self._api.read_node_uid(self._node))
+        with self._lock:
+            devices = self._devices
+        existing, _ = self._api.list_slices(self._node, self._driver)
+        plan = plan_slices(existing, self._owner, self._driver, devices)
+        if not plan.empty:
+            self._apply(plan)
+            log.info(
+                "published %d devices in %d slices, generation %d",
+                len(devices),
+                len(plan.create) + len(plan.update) or 1,
+                plan.generation,
+            )
+        self.generation = plan.generation
+        with self._lock:
+            if devices == self._devices:
+                self.published.set()
+
+    def _apply(self, plan: SlicePlan) -> None:
+        for item in plan.create:
+            self._note(self._api.create_slice(item))
+        for item in plan.update:
+            self._note(self._api.replace_slice(item))
+        for name, version in plan.delete:
+            self._api.delete_slice(name, version)
+
+    def _note(self, written: dict[str, object]) -> None:
+        metadata = written.get("metadata")
+        if isinstance(metadata, dict):
+            # Forgetting old versions costs at most one reconcile that finds nothing to do.
+            if len(self._ours) > 1024:
+                self._ours.clear()
+            self._ours.add(str(metadata.get("resourceVersion")))
+
+    def _watch_loop(self) -> None:
+        delay = self._backoff[0]
+        while not self._stop.is_set():
+            try:
+                _, version = self._api.list_slices(self._node, self._driver)
+                for kind, item in self._api.watch_slices(
+                    self._node, self._driver, version, WATCH_SECONDS
+                ):
+                    if self._stop.is_set():
+                        return
+                    delay = self._backoff[0]
+                    if kind == "BOOKMARK":
+                        continue
+                    written = str((item.get("metadata") or {}).get("resourceVersion"))
+                    if kind == "DELETED" or written not in self._ours:
+                        log.info(
+                            "slice %s %s by someone else: publishing again",
+                            (item.get("metadata") or {}).get("name"),
+                            kind.lower(),
+                        )
+                        self.published.clear()
+                        self._dirty.set()
+            except ApiError as error:
+                log.debug("slice watch ended: %s", error)
+                self._stop.wait(delay)
+                delay = min(delay * 2, self._backoff[1])

@@ -1,0 +1,93 @@
+"""Shared pieces of the DRA tests: a simulated node with a claim source, and short socket dirs."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from dra.api import ApiError
+from dra.claims import ClaimRef
+from dra.devices import DraDevice, judge_function
+from dra.prepare import ClaimPreparer, Paths
+from dra.state import ClaimStore
+from hostdev.bdf import Bdf
+from hostdev.config import default_config
+from hostdev.pciids import PciIds
+from hostdev.scan import scan_host
+
+DRIVER = "vfio.kubevirt-iommufd.io"
+NODE = "node-a"
+
+
+class Claims:
+    """Claims as the API server would return them, keyed by namespace/name."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.down = False
+
+    def add(self, ref: ClaimRef, devices: Iterable[tuple[str, str]], **metadata: Any) -> None:
+        self.objects[ref.namespace, ref.name] = {
+            "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid, **metadata},
+            "status": {
+                "allocation": {
+                    "devices": {
+                        "results": [
+                            {"request": r, "driver": DRIVER, "pool": NODE, "device": d}
+                            for r, d in devices
+                        ]
+                    }
+                }
+            },
+        }
+
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        if self.down:
+            raise ApiError("get resourceclaim: API server unreachable (connection refused)")
+        try:
+            return self.objects[namespace, name]
+        except KeyError:
+            raise ApiError(f"get resourceclaim {namespace}/{name}: not found", 404) from None
+
+
+class Node:
+    def __init__(self, root: Path, tmp: Path) -> None:
+        self.root = root
+        self.claims = Claims()
+        self.paths = Paths(tmp / "cdi", tmp / "state" / "metadata")
+        self.state_dir = tmp / "state"
+        self.names = PciIds(None)
+        self.preparer = self.start()
+
+    def judge(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
+        inventory = scan_host(self.root)
+        return {
+            b: judge_function(f, inventory, default_config(), self.names)
+            if (f := inventory.function(b))
+            else "gone from the host"
+            for b in bdfs
+        }
+
+    def start(self) -> ClaimPreparer:
+        """A fresh preparer over the same directories, as after a restart of the driver."""
+        store = ClaimStore(self.state_dir)
+        store.load()
+        return ClaimPreparer(DRIVER, NODE, self.claims, self.judge, store, self.paths)
+
+
+REF = ClaimRef("vms", "vm-gpus", "a1b2c3d4-0000-4000-8000-000000000001")
+OTHER = ClaimRef("vms", "other", "a1b2c3d4-0000-4000-8000-000000000002")
+
+
+@contextlib.contextmanager
+def short_directory() -> Iterator[Path]:
+    """A directory with a short path: unix socket paths are capped at 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,188 @@
+"""NodePrepare and NodeUnprepare on a simulated node: files written, answers repeated, devices
+never given twice, state kept across a restart, every failure named per claim."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dra.claims import ClaimRef
+from dra.devices import build_devices
+from dra.state import PreparedClaim
+from dra_testkit import DRIVER, NODE, OTHER, REF, Node
+from hostdev.bdf import Bdf
+from hostdev.config import default_config
+from hostdev.scan import scan_host
+from hostdev.simhost import unbind_driver
+
+ScenarioRoot = Callable[[str], Path]
+
+
+@pytest.fixture
+def node(scenario_root: ScenarioRoot, tmp_path: Path) -> Node:
+    return Node(scenario_root("hgx-h100"), tmp_path)
+
+
+def test_prepare_writes_the_cdi_spec_and_metadata(node: Node) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0"), ("gpu2", "pci-0000-2a-00-0")], generation=1)
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim)
+    assert [(d.request, d.device, str(d.bdf)) for d in answer.devices] == [
+        ("gpu", "pci-0000-18-00-0", "0000:18:00.0"),
+        ("gpu2", "pci-0000-2a-00-0", "0000:2a:00.0"),
+    ]
+    kind = f"{DRIVER}/claim"
+    assert answer.devices[0].cdi_ids == (
+        f"{kind}={REF.uid}-pci-0000-18-00-0",
+        f"{kind}={REF.uid}-metadata-gpu",
+    )
+    spec = json.loads((node.paths.cdi_dir / f"{DRIVER}-claim_{REF.uid}.json").read_text())
+    assert spec["kind"] == kind
+    by_name = {d["name"]: d["containerEdits"] for d in spec["devices"]}
+    group = scan_host(node.root).function(Bdf.parse("0000:18:00.0")).iommu_group  # type: ignore[union-attr]
+    assert by_name[f"{REF.uid}-pci-0000-18-00-0"]["deviceNodes"] == [
+        {"path": "/dev/vfio/devices/vfio0"},
+        {"path": "/dev/iommu"},
+        {"path": "/dev/vfio/vfio"},
+        {"path": f"/dev/vfio/{group}"},
+    ]
+    mount = by_name[f"{REF.uid}-metadata-gpu"]["mounts"][0]
+    assert mount["containerPath"] == (
+        "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-gpus/gpu/"
+        f"{DRIVER}-metadata.json"
+    )
+    metadata = json.loads(Path(mount["hostPath"]).read_text())
+    assert metadata["kind"] == "DeviceMetadata"
+    assert metadata["metadata"] == {
+        "name": "vm-gpus",
+        "namespace": "vms",
+        "uid": REF.uid,
+        "generation": 1,
+    }
+    (request,) = metadata["requests"]
+    assert request["name"] == "gpu"
+    (device,) = request["devices"]
+    assert device["name"] == "pci-0000-18-00-0" and device["pool"] == NODE
+    assert device["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:18:00.0"}
+
+
+def test_template_claims_put_metadata_under_the_pods_claim_name(node: Node) -> None:
+    node.claims.add(
+        REF,
+        [("gpu", "pci-0000-18-00-0")],
+        annotations={"resource.kubernetes.io/pod-claim-name": "gpus"},
+    )
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim)
+    spec = json.loads(Path(answer.files[0]).read_text())
+    mount = next(d for d in spec["devices"] if "mounts" in d["containerEdits"])
+    path = mount["containerEdits"]["mounts"][0]["containerPath"]
+    assert path.startswith(
+        "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/gpus/gpu/"
+    )
+    assert (
+        json.loads(Path(mount["containerEdits"]["mounts"][0]["hostPath"]).read_text())[
+            "podClaimName"
+        ]
+        == "gpus"
+    )
+
+
+def test_a_repeated_prepare_answers_the_same_without_asking_the_api_again(node: Node) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    first = node.preparer.prepare([REF])[REF.uid]
+    node.claims.down = True
+    assert node.preparer.prepare([REF])[REF.uid] == first
+    # After a restart of the driver too.
+    assert node.start().prepare([REF])[REF.uid] == first
+
+
+def test_a_device_prepared_for_one_claim_is_refused_to_another(node: Node) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    node.claims.add(OTHER, [("gpu", "pci-0000-18-00-0")])
+    node.preparer.prepare([REF])
+    answer = node.start().prepare([OTHER])[OTHER.uid]
+    assert isinstance(answer, str)
+    assert "already prepared for claim vms/vm-gpus" in answer
+    assert not (node.paths.cdi_dir / f"{DRIVER}-claim_{OTHER.uid}.json").exists()
+    # Freed by the first claim's unprepare.
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
+    assert isinstance(node.start().prepare([OTHER])[OTHER.uid], PreparedClaim)
+
+
+def test_unprepare_removes_everything_and_is_idempotent(node: Node) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim)
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
+    assert not any(Path(f).exists() for f in answer.files)
+    assert not list((node.state_dir / "claims").iterdir())
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
+    assert node.start().unprepare([REF]) == {REF.uid: None}
+
+
+def test_lost_cdi_files_are_written_again(node: Node) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim)
+    # /var/run is a tmpfs: a reboot empties it while the state directory stays.
+    Path(answer.files[0]).unlink()
+    assert node.preparer.prepare([REF])[REF.uid] == answer
+    assert Path(answer.files[0]).exists()
+
+
+def _allocated_then_unbound(node: Node) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    unbind_driver(node.root, "0000:18:00.0")
+
+
+@pytest.mark.parametrize(
+    ("setup", "words"),
+    [
+        (lambda n: None, "not found"),
+        (lambda n: n.claims.add(REF, [("gpu", "gpu-0")]), "not a name this driver publishes"),
+        (
+            _allocated_then_unbound,
+            "cannot be given to a VM: bound to no driver",
+        ),
+        (lambda n: n.claims.add(REF, [("gpu", "pci-0000-77-00-0")]), "gone from the host"),
+        (lambda n: setattr(n.claims, "down", True), "unreachable"),
+    ],
+    ids=["claim-missing", "foreign-device", "unbound", "gone", "api-down"],
+)
+def test_failures_are_the_claims_own_answer(
+    node: Node, setup: Callable[[Node], object], words: str
+) -> None:
+    node.claims.add(OTHER, [("gpu", "pci-0000-2a-00-0")])
+    setup(node)
+    answers = node.preparer.prepare([REF, OTHER])
+    assert isinstance(answers[REF.uid], str) and words in answers[REF.uid]  # type: ignore[operator]
+    assert str(REF) in answers[REF.uid]  # type: ignore[operator]
+    if words != "unreachable":
+        assert isinstance(answers[OTHER.uid], PreparedClaim)
+    assert not (node.paths.cdi_dir / f"{DRIVER}-claim_{REF.uid}.json").exists()
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        ClaimRef("vms", "x", "../../etc"),
+        ClaimRef("vms", "x", ""),
+        ClaimRef("../vms", "x", REF.uid),
+        ClaimRef("vms", "a/b", REF.uid),
+    ],
+)
+def test_malformed_claim_references_never_reach_a_path(node: Node, ref: ClaimRef) -> None:
+    answer = node.preparer.prepare([ref])[ref.uid]
+    assert isinstance(answer, str) and "not a" in answer
+    assert node.preparer.unprepare([ref])[ref.uid]
+
+
+def test_every_published_device_can_be_prepared(node: Node) -> None:
+    devices = build_devices(scan_host(node.root), default_config(), node.names)
+    node.claims.add(REF, [(f"r{i}", d.name) for i, d in enumerate(devices)])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim) and len(answer.devices) == len(devices) == 8

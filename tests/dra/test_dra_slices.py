@@ -1,0 +1,99 @@
+"""The pool's slices and the plan that brings the API server's copy to them."""
+
+from __future__ import annotations
+
+import copy
+from types import MappingProxyType
+
+import pytest
+
+from dra.devices import DraDevice, device_name
+from dra.slices import MAX_DEVICES_PER_SLICE, Owner, build_slices, plan_slices, slice_name
+from hostdev.bdf import Bdf
+
+OWNER = Owner("node-a", "0f0f0f0f-0000-4000-8000-000000000001")
+DRIVER = "vfio.kubevirt-iommufd.io"
+
+
+def devices(count: int) -> list[DraDevice]:
+    made = []
+    for index in range(count):
+        bdf = Bdf(0, index // 32 + 1, index % 32, 0)
+        made.append(
+            DraDevice(
+                name=device_name(bdf),
+                bdf=bdf,
+                resource="example.com/dev",
+                attributes=MappingProxyType({"resource.kubernetes.io/pciBusID": str(bdf)}),
+                device_nodes=(),
+                group=index,
+            )
+        )
+    return made
+
+
+def stored(objects: list[dict[str, object]], start: int = 1) -> list[dict[str, object]]:
+    """What the API server would hold after creating `objects`: each with a resourceVersion."""
+    held = copy.deepcopy(objects)
+    for offset, item in enumerate(held):
+        item["metadata"]["resourceVersion"] = str(start + offset)  # type: ignore[index]
+    return held
+
+
+@pytest.mark.parametrize(("count", "slices"), [(0, 1), (1, 1), (128, 1), (129, 2), (4096, 32)])
+def test_slices_split_at_128_devices_and_count_themselves(count: int, slices: int) -> None:
+    built = build_slices(OWNER, DRIVER, devices(count), 3)
+    assert len(built) == slices
+    assert sum(len(s["spec"]["devices"]) for s in built) == count
+    for index, item in enumerate(built):
+        assert len(item["spec"]["devices"]) <= MAX_DEVICES_PER_SLICE
+        assert item["spec"]["pool"] == {
+            "name": "node-a",
+            "generation": 3,
+            "resourceSliceCount": slices,
+        }
+        assert item["spec"]["nodeName"] == "node-a"
+        assert item["metadata"]["name"] == f"node-a-{DRIVER}-{index}"
+        assert item["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+
+
+def test_first_publication_creates_at_generation_one() -> None:
+    plan = plan_slices([], OWNER, DRIVER, devices(130))
+    assert plan.generation == 1
+    assert len(plan.create) == 2 and not plan.update and not plan.delete
+
+
+def test_unchanged_pool_needs_nothing() -> None:
+    held = stored(build_slices(OWNER, DRIVER, devices(130), 4))
+    plan = plan_slices(held, OWNER, DRIVER, devices(130))
+    assert plan.empty and plan.generation == 4
+
+
+def test_a_change_bumps_the_generation_on_every_slice_and_drops_extra_ones() -> None:
+    held = stored(build_slices(OWNER, DRIVER, devices(130), 4))
+    plan = plan_slices(held, OWNER, DRIVER, devices(5))
+    assert plan.generation == 5
+    assert [u["metadata"]["resourceVersion"] for u in plan.update] == ["1"]
+    assert plan.update[0]["spec"]["pool"]["generation"] == 5
+    assert plan.update[0]["spec"]["pool"]["resourceSliceCount"] == 1
+    assert plan.delete == ((slice_name("node-a", DRIVER, 1), "2"),)
+
+
+def test_mixed_generations_left_by_a_crash_are_rewritten_above_the_highest() -> None:
+    held = stored(build_slices(OWNER, DRIVER, devices(130), 4))
+    held[1]["spec"]["pool"]["generation"] = 7  # type: ignore[index]
+    plan = plan_slices(held, OWNER, DRIVER, devices(130))
+    assert plan.generation == 8 and len(plan.update) == 2
+
+
+def test_a_slice_edited_by_someone_else_is_written_back() -> None:
+    held = stored(build_slices(OWNER, DRIVER, devices(3), 2))
+    held[0]["spec"]["devices"].pop()  # type: ignore[index]
+    plan = plan_slices(held, OWNER, DRIVER, devices(3))
+    assert plan.generation == 3 and len(plan.update) == 1
+
+
+def test_overlong_names_stay_valid_and_distinct() -> None:
+    node = "n" * 250
+    first, second = slice_name(node, DRIVER, 0), slice_name(node, DRIVER, 1)
+    assert len(first) <= 253 and len(second) <= 253 and first != second
