@@ -39,9 +39,9 @@ def read_data(name: str) -> bytes:
     return (DATA / name).read_bytes()
 
 
-def vmi_json(**annotations: str) -> bytes:
-    """The fixture VMI, with extra annotations."""
-    document = json.loads(read_data("vmi-h100.json"))
+def vmi_json(fixture: str = "vmi-h100.json", /, **annotations: str) -> bytes:
+    """A fixture VMI, with extra annotations."""
+    document = json.loads(read_data(fixture))
     document["metadata"]["annotations"].update(annotations)
     return json.dumps(document).encode()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ class Case:
     annotations: tuple[tuple[str, str], ...] = ()
     backends: tuple[str, ...] = ()
     """Expected backend of each PCI hostdev, in document order."""
+    vmi: str = "vmi-h100.json"
 
 
 CASES = [
@@ -138,6 +140,32 @@ CASES = [
         "12.9",
         backends=("iommufd",) * 2,
     ),
+    # KubeVirt 1.9's DRA path (HostDevicesWithDRA, GPUsWithDRA): <hostdev type='pci'
+    # managed='no'> without `mode`, alias ua-dra-hostdevice-/ua-dra-gpu-<name>, never iommufd.
+    Case(
+        "dra-libvirt-12.9",
+        "kubevirt-dra.xml",
+        "cdevs",
+        "12.9",
+        backends=("iommufd",) * 2,
+        vmi="vmi-dra.json",
+    ),
+    Case(
+        "dra-libvirt-11.10",
+        "kubevirt-dra.xml",
+        "cdevs",
+        "11.10",
+        backends=("legacy",) * 2,
+        vmi="vmi-dra.json",
+    ),
+    Case(
+        "dra-mixed-libvirt-12.9",
+        "kubevirt-dra-mixed.xml",
+        "cdevs",
+        "12.9",
+        backends=("iommufd",) * 2,
+        vmi="vmi-dra-mixed.json",
+    ),
 ]
 
 
@@ -145,7 +173,7 @@ CASES = [
 def test_golden(case: Case, tmp_path: Path, rng: etree.RelaxNG) -> None:
     source = read_data(case.fixture)
     caps = capabilities(NODES[case.node](tmp_path), source, LIBVIRT[case.libvirt])
-    result = rewrite_domain(source, vmi_json(**dict(case.annotations)), caps, case.policy)
+    result = rewrite_domain(source, vmi_json(case.vmi, **dict(case.annotations)), caps, case.policy)
 
     golden = GOLDEN / f"{case.id}.xml"
     if UPDATE:
@@ -161,12 +189,54 @@ def test_golden(case: Case, tmp_path: Path, rng: etree.RelaxNG) -> None:
         assert libvirt_define_errors(result.domain_xml) is None  # the installed libvirt
 
 
-@pytest.mark.parametrize("fixture", ["kubevirt-gpus.xml", "kubevirt-gpus-in-tree.xml"])
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "kubevirt-gpus.xml",
+        "kubevirt-gpus-in-tree.xml",
+        "kubevirt-dra.xml",
+        "kubevirt-dra-mixed.xml",
+    ],
+)
 def test_fixtures_are_valid_libvirt_xml(fixture: str, rng: etree.RelaxNG) -> None:
     xml = read_data(fixture)
     assert schema_errors(rng, xml) is None
     if not uses_iommufd_xml(xml):
         assert libvirt_define_errors(xml) is None
+
+
+def dra_aliases(vmi_fixture: str) -> list[str]:
+    """The aliases KubeVirt's DRA path gives a VMI's DRA host devices and GPUs (an entry with a
+    claimName and no deviceName), in the order its converter writes them."""
+    devices = json.loads(read_data(vmi_fixture))["spec"]["domain"]["devices"]
+    return [
+        f"ua-dra-{kind}-{entry['name']}"
+        for kind, entries in (("hostdevice", devices["hostDevices"]), ("gpu", devices["gpus"]))
+        for entry in entries
+        if "claimName" in entry and "deviceName" not in entry
+    ]
+
+
+def test_dra_devices_are_decided_by_address_and_cdev(tmp_path: Path) -> None:
+    """DRA entries name a claim, not a resource: the hook goes by each <hostdev>'s PCI address
+    and that function's cdev, so one DRA device can move while another stays."""
+    root = NODES["cdevs"](tmp_path)
+    (cdev,) = (root / "sys/bus/pci/devices/0000:3a:00.0/vfio-dev").iterdir()
+    (root / "dev/vfio/devices" / cdev.name).unlink()
+    source = read_data("kubevirt-dra.xml")
+    caps = capabilities(root, source, LIBVIRT["12.9"])
+
+    result = rewrite_domain(source, vmi_json("vmi-dra.json"), caps, Policy.AUTO)
+
+    assert [(d.alias, str(d.bdf), d.backend.value) for d in result.decision.devices] == [
+        ("ua-dra-hostdevice-nic1", "0000:5e:00.4", "iommufd"),
+        ("ua-dra-gpu-gpu2", "0000:3a:00.0", "legacy"),
+    ]
+    assert [d.alias for d in result.decision.devices] == dra_aliases("vmi-dra.json")
+    assert "no VFIO cdev node" in result.decision.devices[1].reason
+    hostdevs = etree.fromstring(result.domain_xml).findall("devices/hostdev")
+    assert [h.find("driver") is not None for h in hostdevs] == [False, True]
+    assert all(h.get("mode") is None and h.get("managed") == "no" for h in hostdevs)
 
 
 def test_decision_is_recorded_per_device(tmp_path: Path) -> None:
