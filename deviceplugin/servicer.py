@@ -198,7 +198,10 @@ class IommufdServicer(_Streaming):
     Without /dev/iommu the slots are Unhealthy, unless `legacy_without_iommu`: then they stay
     allocatable and Allocate hands out nothing, so a launcher pod that asks for the resource still
     schedules on such a node and its VM stays on legacy VFIO (virt-launcher uses iommufd only
-    when /dev/iommu is in the pod)."""
+    when /dev/iommu is in the pod).
+
+    Allocate takes only advertised slot ids, each once, and keeps at most one hand-off waiting
+    per slot, so a caller can never make it hold more prepared fds than there are slots."""
 
     def __init__(
         self,
