@@ -17,13 +17,15 @@ they can):
   iommufd fd      the iommufd resource hands over a real /dev/iommu fd: RLIMIT_MODE 1,
                   IOMMU_IOAS_ALLOC, VFIO_DEVICE_BIND_IOMMUFD + ATTACH_IOMMUFD_PT of each cdev
   DMA             a second hand-off fd: IOMMU_IOAS_MAP a buffer, edu DMA RAM -> device -> RAM
+  hook            (launcher.py) the launcher hook, on the real sysfs and a launcher's /dev
+                  without device B's cdev node, writes a mixed domain: A iommufd, B legacy
+  nested qemu     (launcher.py) QEMU started as libvirt starts it: the plugin's handed-off
+                  iommufd fd, A's cdev fd, B by host=; QMP and /proc/<pid>/fd say exactly that
   plugin stops    SIGTERM: exit 0, no sockets left
-  hook            the launcher hook moves a KubeVirt-style domain's edu hostdevs to iommufd
-  nested qemu     qemu-system-x86_64 -S with the rewritten domain's iommufd arguments attaches
-                  the devices (QMP query-pci sees them; QEMU holds /dev/iommu and the cdevs)
+  lifecycle       bind/unbind/refused bind with the CLI, reset where the kernel can
 
-The last line on stdout is `SYSTEM-TEST-REPORT <json>` for run.py; the exit status is 1 when any
-check failed.
+The first line is `SYSTEM-TEST-GUEST-STARTED` (run.py boots again when the VM ends before it);
+the last is `SYSTEM-TEST-REPORT <json>` for run.py; the exit status is 1 when any check failed.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,24 +48,33 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import uapi
-from lxml import etree
+from guestkit import (
+    CLI,
+    Check,
+    CheckFailed,
+    Edu,
+    Report,
+    Runner,
+    bind_vfio,
+    cpu_loop_ms,
+    find_edu,
+    receive_fd,
+    require,
+    say,
+    unbind,
+)
+from launcher import IOMMUFD_RESOURCE, RESOURCE, check_hook, check_launcher_qemu
 
 from deviceplugin.iommu_ioctl import RLIMIT_MODE_PER_PROCESS, read_rlimit_mode
 from hostdev.bdf import is_bdf
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 
-VENV_BIN = Path(sys.executable).parent
-CLI = str(VENV_BIN / "kubevirt-iommufd")
-PCI = Path("/sys/bus/pci")
-EDU_VENDOR, EDU_DEVICE = "0x1234", "0x11e8"
-RESOURCE = "example.com/edu"
-IOMMUFD_RESOURCE = "devices.kubevirt.io/iommufd"
+# Printed first thing: run.py retries a boot that ends before the guest said this.
+STARTED_MARKER = "SYSTEM-TEST-GUEST-STARTED"
 REPORT_PREFIX = "SYSTEM-TEST-REPORT "
 # The plugin's health propagation target (bench/plugin.py: "< 100 ms both ways"). Under TCG every
 # guest instruction is emulated, and a busy host slows it further: over the target is reported,
@@ -77,127 +87,6 @@ REGISTER_TIMEOUT_S = 60.0
 HEALTH_TIMEOUT_S = 10.0
 HEALTH_CYCLES = 10
 HEALTH_SETTLE_S = 0.3
-NESTED_QEMU_TIMEOUT_S = 120.0
-
-
-# --------------------------------------------------------------------------- check bookkeeping
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool = False
-    seconds: float = 0.0
-    detail: str = ""
-
-
-@dataclass
-class Report:
-    kernel: str
-    qemu: str
-    uptime_at_start: float
-    loop_ms: float = 0.0
-    host_loop_ms: float = 0.0
-    devices: list[dict[str, str]] = field(default_factory=list)
-    checks: list[Check] = field(default_factory=list)
-
-
-class CheckFailed(Exception):
-    """A check's condition did not hold; the message says what was seen."""
-
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise CheckFailed(message)
-
-
-class Runner:
-    def __init__(self, report: Report) -> None:
-        self.report = report
-
-    @contextlib.contextmanager
-    def check(self, name: str) -> Iterator[Check]:
-        """Time the block; an exception fails the check (and is reported), never the run."""
-        check = Check(name)
-        say(f"--- {name}")
-        started = time.monotonic()
-        try:
-            yield check
-            check.ok = True
-        except CheckFailed as error:
-            check.detail = f"{error}; {check.detail}" if check.detail else str(error)
-        except Exception as error:
-            traceback.print_exc()
-            check.detail = f"{type(error).__name__}: {error}"
-        check.seconds = time.monotonic() - started
-        self.report.checks.append(check)
-        say(f"{'PASS' if check.ok else 'FAIL'} {name} ({check.seconds:.2f} s) {check.detail}")
-
-    def skip(self, name: str, why: str) -> None:
-        self.report.checks.append(Check(name, False, 0.0, f"not run: {why}"))
-        say(f"FAIL {name}: not run: {why}")
-
-
-def cpu_loop_ms() -> float:
-    """A fixed bit of pure-Python work (run.py times the same on the host: the TCG slowdown)."""
-    started = time.perf_counter()
-    sum(i * i for i in range(200_000))
-    return (time.perf_counter() - started) * 1000
-
-
-def say(message: str) -> None:
-    print(message, flush=True)
-
-
-# --------------------------------------------------------------------------- the real host
-
-
-@dataclass
-class Edu:
-    bdf: str
-    group: str = ""
-    cdev: str = ""
-
-    @property
-    def sysfs(self) -> Path:
-        return PCI / "devices" / self.bdf
-
-    @property
-    def cdev_path(self) -> str:
-        return f"/dev/vfio/devices/{self.cdev}"
-
-    def driver(self) -> str | None:
-        try:
-            return (self.sysfs / "driver").readlink().name
-        except FileNotFoundError:
-            return None
-
-    def read_cdev(self) -> str:
-        names = sorted(p.name for p in (self.sysfs / "vfio-dev").glob("vfio*"))
-        return names[0] if names else ""
-
-
-def find_edu() -> list[Edu]:
-    found = []
-    for device in sorted((PCI / "devices").iterdir()):
-        vendor = (device / "vendor").read_text().strip()
-        product = (device / "device").read_text().strip()
-        if (vendor, product) == (EDU_VENDOR, EDU_DEVICE):
-            found.append(Edu(device.name))
-    return found
-
-
-def bind_vfio(edu: Edu) -> None:
-    """The recipe's sysfs writes (also what the health-flip cycles use: precise timing)."""
-    (edu.sysfs / "driver_override").write_text("vfio-pci")
-    if edu.driver() not in (None, "vfio-pci"):
-        (edu.sysfs / "driver" / "unbind").write_text(edu.bdf)
-    if edu.driver() is None:
-        (PCI / "drivers_probe").write_text(edu.bdf)
-
-
-def unbind(edu: Edu) -> None:
-    (edu.sysfs / "driver" / "unbind").write_text(edu.bdf)
 
 
 def qemu_version() -> str:
@@ -493,20 +382,6 @@ def check_health_flip(run: Runner, edu: Edu, plugin: Plugin, cycles: int, strict
             )
 
 
-def receive_fd(path: str, timeout: float = 10.0) -> int:
-    """KubeVirt's launcher side (`ReceiveIOMMUFD`): one fd with a 1-byte payload, then ACK."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(timeout)
-        conn.connect(path)
-        message, fds, _flags, _address = socket.recv_fds(conn, 1, 1)
-        if len(fds) != 1 or len(message) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise CheckFailed(f"expected 1 byte and 1 fd, got {message!r} and {len(fds)} fds")
-        conn.sendall(b"\x00")
-    return fds[0]
-
-
 def check_iommufd_handoff(run: Runner, edus: list[Edu], plugin: Plugin) -> None:
     with run.check("iommufd fd hand-off: RLIMIT_MODE, IOAS, bind cdevs") as check:
         response = plugin.kubelet.allocate(IOMMUFD_RESOURCE, ["iommufd-000"])
@@ -624,238 +499,6 @@ def check_dma(run: Runner, edu: Edu, plugin: Plugin) -> None:
             memory.close()
 
 
-EMULATOR = "/usr/libexec/qemu-kvm"
-
-
-def domain_xml(edus: list[Edu]) -> str:
-    """A cut-down domain as KubeVirt's virt-launcher writes it, with the edu devices."""
-    hostdevs = []
-    for index, edu in enumerate(edus):
-        domain, bus, slot_function = edu.bdf.split(":")
-        slot, function = slot_function.split(".")
-        hostdevs.append(
-            f"""    <hostdev type="pci" managed="no" mode="subsystem">
-      <source>
-        <address type="pci" domain="0x{domain}" bus="0x{bus}" slot="0x{slot}"
-                 function="0x{function}"/>
-      </source>
-      <alias name="ua-hostdevice-edu{index}"/>
-    </hostdev>"""
-        )
-    devices = "\n".join(hostdevs)
-    return f"""<domain type="kvm" xmlns:qemu="http://libvirt.org/schemas/domain/qemu/1.0">
-  <name>default_vmi-edu</name>
-  <uuid>7d3e4c8a-1b2f-4a6e-9c0d-5e8f7a6b5c4d</uuid>
-  <memory unit="b">134217728</memory>
-  <os>
-    <type arch="x86_64" machine="pc-q35-rhel9.6.0">hvm</type>
-  </os>
-  <devices>
-    <emulator>{EMULATOR}</emulator>
-{devices}
-    <controller type="usb" index="0" model="none"/>
-    <memballoon model="none"/>
-  </devices>
-  <metadata>
-    <kubevirt xmlns="http://kubevirt.io">
-      <uid>9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d</uid>
-    </kubevirt>
-  </metadata>
-  <features>
-    <acpi/>
-  </features>
-  <vcpu placement="static">1</vcpu>
-</domain>
-"""
-
-
-VMI = {
-    "apiVersion": "kubevirt.io/v1",
-    "kind": "VirtualMachineInstance",
-    "metadata": {"name": "vmi-edu", "namespace": "default", "annotations": {}},
-    "spec": {
-        "domain": {
-            "devices": {
-                "hostDevices": [{"name": "edu0", "deviceName": RESOURCE}],
-            }
-        }
-    },
-}
-
-
-def iommufd_devices(rewritten: bytes) -> list[tuple[str, bool]]:
-    """(BDF, uses iommufd) of each PCI hostdev, as libvirt reads the rewritten domain: the
-    domain-wide `<iommufd enabled='yes'/>` unless the device's `<driver iommufd=…>` says
-    otherwise."""
-    root = etree.fromstring(rewritten)
-    element = root.find("iommufd")
-    domain_wide = element is not None and element.get("enabled") == "yes"
-    found = []
-    for hostdev in root.iterfind("devices/hostdev[@type='pci']"):
-        address = hostdev.find("source/address")
-        assert address is not None
-        parts = [int(address.get(k, "0"), 16) for k in ("domain", "bus", "slot", "function")]
-        bdf = "{:04x}:{:02x}:{:02x}.{:x}".format(*parts)
-        driver = hostdev.find("driver")
-        override = None if driver is None else driver.get("iommufd")
-        found.append((bdf, override == "yes" if override is not None else domain_wide))
-    return found
-
-
-def check_hook(run: Runner, edus: list[Edu]) -> list[tuple[str, bool]]:
-    plan: list[tuple[str, bool]] = []
-    with run.check("hook: domain XML rewritten to iommufd") as check:
-        argv = [
-            CLI,
-            "hook",
-            "on-define-domain",
-            "--vmi",
-            json.dumps(VMI),
-            "--domain",
-            domain_xml(edus),
-            "--root",
-            "/",
-            "--libvirt-version",
-            "12.9.0",
-        ]
-        out = subprocess.run(argv, capture_output=True, check=False)
-        require(
-            out.returncode == 0,
-            f"exit {out.returncode}: {out.stderr.decode(errors='replace')[-400:]}",
-        )
-        rewritten = out.stdout
-        root = etree.fromstring(rewritten)
-        decisions = root.findall(
-            "metadata/{https://kubevirt-iommufd.io/xmlns/decision/v1}decision/"
-            "{https://kubevirt-iommufd.io/xmlns/decision/v1}hostdev"
-        )
-        by_bdf = {d.get("bdf"): d for d in decisions}
-        for edu in edus:
-            decision = by_bdf.get(edu.bdf)
-            require(decision is not None, f"no decision recorded for {edu.bdf}")
-            assert decision is not None
-            require(
-                decision.get("backend") == "iommufd",
-                f"{edu.bdf}: backend {decision.get('backend')} ({decision.get('reason')})",
-            )
-            reason = decision.get("reason") or ""
-            require(f"cdev {edu.cdev}" in reason, f"{edu.bdf}: reason {reason!r}")
-        plan = iommufd_devices(rewritten)
-        wanted = [(edu.bdf, True) for edu in edus]
-        require(plan == wanted, f"libvirt would use {plan}, wanted {wanted}")
-        record = root.find("metadata/{https://kubevirt-iommufd.io/xmlns/decision/v1}decision")
-        assert record is not None
-        check.detail = f"domain-iommufd={record.get('domain-iommufd')}; " + "; ".join(
-            f"{d.get('bdf')}: {d.get('backend')} ({d.get('reason')})" for d in decisions
-        )
-        say(rewritten.decode())
-    return plan
-
-
-def qmp(path: Path, *commands: str) -> list[Any]:
-    """Run QMP commands on QEMU's monitor socket; their `return` values."""
-    answers: list[Any] = []
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(30)
-        conn.connect(str(path))
-        stream = conn.makefile("rwb")
-
-        def read() -> dict[str, Any]:
-            while True:
-                line = stream.readline()
-                if not line:
-                    raise CheckFailed("QMP closed the connection")
-                message: dict[str, Any] = json.loads(line)
-                if "event" not in message:
-                    return message
-
-        read()  # greeting
-        for command in ("qmp_capabilities", *commands):
-            stream.write(json.dumps({"execute": command}).encode() + b"\n")
-            stream.flush()
-            answer = read()
-            if "error" in answer:
-                raise CheckFailed(f"QMP {command}: {answer['error']}")
-            answers.append(answer["return"])
-    return answers[1:]
-
-
-def fds_of(pid: int) -> set[str]:
-    targets = set()
-    for link in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            targets.add(str(link.readlink()))
-    return targets
-
-
-def wait_path(path: Path, process: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if process.poll() is not None:
-            raise CheckFailed(f"QEMU exited with {process.returncode} before its QMP socket")
-        if time.monotonic() > deadline:
-            raise CheckFailed(f"no QMP socket after {timeout:g} s")
-        time.sleep(0.1)
-
-
-def check_nested_qemu(run: Runner, plan: list[tuple[str, bool]], scratch: Path) -> None:
-    with run.check("nested qemu -S attaches the devices over iommufd") as check:
-        require(bool(plan), "no plan from the hook")
-        monitor = scratch / "qmp.sock"
-        argv = [
-            "qemu-system-x86_64",
-            "-accel",
-            "tcg",
-            "-S",
-            "-nographic",
-            "-nodefaults",
-            "-m",
-            "128",
-            "-qmp",
-            f"unix:{monitor},server=on,wait=off",
-        ]
-        if any(uses for _, uses in plan):
-            argv += ["-object", "iommufd,id=iommufd0"]
-        for bdf, uses in plan:
-            argv += ["-device", f"vfio-pci,host={bdf}" + (",iommufd=iommufd0" if uses else "")]
-        say("$ " + shlex.join(argv))
-        log_path = scratch / "nested-qemu.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        try:
-            wait_path(monitor, process, NESTED_QEMU_TIMEOUT_S)
-            (pci,) = qmp(monitor, "query-pci")
-            edu_seen = [
-                f"{d['bus']:02x}:{d['slot']:02x}.{d['function']}"
-                for bus in pci
-                for d in bus["devices"]
-                if d["id"]["vendor"] == 0x1234 and d["id"]["device"] == 0x11E8
-            ]
-            require(len(edu_seen) == len(plan), f"query-pci shows {len(edu_seen)} edu: {edu_seen}")
-            held = fds_of(process.pid)
-            require("/dev/iommu" in held, f"QEMU holds no /dev/iommu fd: {sorted(held)}")
-            cdevs = sorted(p for p in held if p.startswith("/dev/vfio/devices/"))
-            groups = sorted(p for p in held if p.startswith("/dev/vfio/") and p not in cdevs)
-            require(len(cdevs) == len(plan), f"QEMU holds cdevs {cdevs}")
-            require(not groups, f"QEMU also opened legacy VFIO nodes {groups}")
-            time.sleep(2)
-            require(process.poll() is None, f"QEMU exited with {process.returncode}")
-            qmp(monitor, "quit")
-            code = process.wait(timeout=30)
-            require(code == 0, f"QEMU exited with {code} after quit")
-            check.detail = (
-                f"guest PCI sees edu at {edu_seen}; QEMU held /dev/iommu and {cdevs},"
-                " no group nodes"
-            )
-        except BaseException:
-            say(log_path.read_text(errors="replace")[-2000:])
-            raise
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -916,7 +559,8 @@ def run_checks(run: Runner, edus: list[Edu], scratch: Path, bind_method: str, st
     check_inspect(run, edus)
     plugin = Plugin(scratch)
     try:
-        if check_plugin(run, edus, plugin):
+        registered = check_plugin(run, edus, plugin)
+        if registered:
             check_allocate(run, edus, plugin)
             check_health_flip(run, edus[-1], plugin, HEALTH_CYCLES, strict)
             check_iommufd_handoff(run, edus, plugin)
@@ -924,6 +568,14 @@ def run_checks(run: Runner, edus: list[Edu], scratch: Path, bind_method: str, st
         else:
             for name in ("Allocate", "unbind/rebind health", "iommufd fd hand-off", "DMA"):
                 run.skip(name, "the plugin did not register")
+        if not bound:
+            say("devices were not bound; the hook and the nested QEMU will report why")
+        plan = check_hook(run, edus, scratch)
+        # The nested QEMU gets its iommufd from the plugin's one-shot socket, as in a launcher.
+        if registered:
+            check_launcher_qemu(run, edus, plan, plugin.kubelet, scratch)
+        else:
+            run.skip("nested qemu as libvirt starts it", "the plugin did not register")
     finally:
         code = plugin.stop()
         with run.check("plugin stops on SIGTERM with exit 0") as check:
@@ -938,10 +590,6 @@ def run_checks(run: Runner, edus: list[Edu], scratch: Path, bind_method: str, st
                 and "device unhealthy" not in line
             ]
             check.detail = f"no sockets left; other warnings/errors in its log: {other or 'none'}"
-    if not bound:
-        say("devices were not bound; hook and nested QEMU will report why")
-    plan = check_hook(run, edus)
-    check_nested_qemu(run, plan, scratch)
     if bound:
         check_lifecycle(run, edus)
 
@@ -953,6 +601,7 @@ def main() -> int:
     parser.add_argument("--strict-latency", action="store_true")
     parser.add_argument("--host-loop-ms", type=float, default=0.0)
     args = parser.parse_args()
+    say(STARTED_MARKER)
     uptime = float(Path("/proc/uptime").read_text().split()[0])
     report = Report(
         kernel=platform.release(),
