@@ -7,10 +7,17 @@ decides whether that warns (default) or denies (`strict`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hostdev.untrusted import quote_untrusted
+
 Operation = dict[str, Any]
+# Names in a reason come from the object under review and end up in logs and in the warnings
+# kubectl shows: each is quoted (a newline would forge a log line) and cut, and only a few shown.
+SHOWN_NAMES = 5
+NAME_LIMIT = 100
 
 
 class Unintelligible(ValueError):
@@ -46,3 +53,10 @@ def listing(value: object, where: str) -> list[Any]:
     if not isinstance(value, list):
         raise Unintelligible(f"{where} is not a list")
     return value
+
+
+def quoted_names(names: Sequence[str]) -> str:
+    """`names` for a reason: the first few, each quoted and capped, then how many more."""
+    shown = ", ".join(quote_untrusted(name, NAME_LIMIT) for name in names[:SHOWN_NAMES])
+    rest = len(names) - SHOWN_NAMES
+    return f"{shown} and {rest} more" if rest > 0 else shown

@@ -10,7 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from webhook.config import IOMMUFD_RESOURCE, Config
-from webhook.plan import Operation, Plan, Unintelligible, listing, mapping, pointer
+from webhook.plan import (
+    Operation,
+    Plan,
+    Unintelligible,
+    listing,
+    mapping,
+    pointer,
+    quoted_names,
+)
 
 LAUNCHER_LABEL = "kubevirt.io"
 LAUNCHER_VALUE = "virt-launcher"
@@ -41,7 +49,7 @@ def plan_pod(pod: object, namespace: str, config: Config) -> Plan:
         return Plan((), f"container compute already has {IOMMUFD_RESOURCE}")
     return Plan(
         _operations(index, resources, limits, requests),
-        f"added {IOMMUFD_RESOURCE} to container compute for {', '.join(managed)}",
+        f"added {IOMMUFD_RESOURCE} to container compute for {quoted_names(managed)}",
     )
 
 

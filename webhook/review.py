@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hostdev.untrusted import quote_untrusted
 from webhook.config import Config
 from webhook.plan import Plan, Unintelligible
 from webhook.pod import plan_pod
@@ -106,14 +107,22 @@ def review(body: object, config: Config, endpoint: Endpoint) -> Verdict:
 def _plan(request: dict[str, Any], namespace: str, config: Config, endpoint: Endpoint) -> Plan:
     operation = request.get("operation")
     if operation != "CREATE":
-        return Plan((), f"operation {operation!r:.20} is not CREATE")
+        return Plan((), f"operation {_shown(operation, 20)} is not CREATE")
     kind = request.get("kind")
     if isinstance(kind, dict) and kind.get("kind") != endpoint.kind:
         raise Unintelligible(
-            f"this endpoint takes {endpoint.kind} objects, not {kind.get('kind')!r:.40};"
+            f"this endpoint takes {endpoint.kind} objects, not {_shown(kind.get('kind'), 40)};"
             " check the webhook configuration's rules"
         )
     return endpoint.planner(request.get("object"), namespace, config)
+
+
+def _shown(value: object, limit: int) -> str:
+    """A field of the request for a reason: a string quoted and capped, anything else its type.
+
+    Not repr(): a list nested as deep as the JSON parser allows would overflow it.
+    """
+    return quote_untrusted(value, limit) if isinstance(value, str) else f"<{type(value).__name__}>"
 
 
 def _name(request: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from time import perf_counter
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from hostdev.untrusted import quote_untrusted
 from webhook.config import Config
 from webhook.http_protocol import Handler, Request, Response, text
 from webhook.metrics import Metrics
@@ -46,12 +47,13 @@ def build_admission_handler(config: Config, metrics: Metrics) -> Handler:
         metrics.count_admission(endpoint, verdict.outcome, perf_counter() - started)
         level = logging.DEBUG if verdict.outcome == "unchanged" else logging.INFO
         if log.isEnabledFor(level):
+            # Subject and uid come from the request as they are; the reason quotes what it names.
             log.log(
                 level,
-                "%s %.120r uid=%.60r %s: %s",
+                "%s %s uid=%s %s: %s",
                 endpoint,
-                verdict.subject,
-                verdict.uid,
+                quote_untrusted(verdict.subject, 200),
+                quote_untrusted(verdict.uid, 60),
                 verdict.outcome,
                 verdict.reason,
             )

@@ -11,7 +11,15 @@ import json
 from typing import Any
 
 from webhook.config import Config, HookSidecar
-from webhook.plan import Operation, Plan, Unintelligible, listing, mapping, pointer
+from webhook.plan import (
+    Operation,
+    Plan,
+    Unintelligible,
+    listing,
+    mapping,
+    pointer,
+    quoted_names,
+)
 
 HOOK_SIDECARS = "hooks.kubevirt.io/hookSidecars"
 
@@ -38,10 +46,13 @@ def plan_vmi(vmi: object, namespace: str, config: Config) -> Plan:
     if any(_same_repository(entry, sidecar) for entry in existing):
         return Plan((), f"{HOOK_SIDECARS} already runs {_repository(sidecar.image)}")
     value = json.dumps([*existing, sidecar.entry()], separators=(",", ":"))
-    return Plan((_operation(metadata, annotations, value),), f"added hook sidecar for {managed}")
+    return Plan(
+        (_operation(metadata, annotations, value),),
+        f"added hook sidecar for {quoted_names(managed)}",
+    )
 
 
-def _managed_devices(vmi: dict[str, Any], config: Config) -> str:
+def _managed_devices(vmi: dict[str, Any], config: Config) -> list[str]:
     spec = mapping(vmi.get("spec"), "spec")
     domain = mapping(spec.get("domain"), "spec.domain")
     devices = mapping(domain.get("devices"), "spec.domain.devices")
@@ -54,7 +65,7 @@ def _managed_devices(vmi: dict[str, Any], config: Config) -> str:
                 raise Unintelligible(f"{where}.deviceName is not a string")
             if config.is_managed(name):
                 names.add(name)
-    return ", ".join(sorted(names))
+    return sorted(names)
 
 
 def _sidecars(annotation: object) -> list[Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import re
 import ssl
 from collections.abc import Iterator
@@ -269,3 +270,25 @@ def test_readyz_answers_503_while_the_admission_port_is_not_serving() -> None:
 
     assert response.status == 503
     assert handler(Request("GET", "/healthz", "", b"")).status == 200
+
+
+def test_what_the_request_names_is_logged_on_one_short_line(
+    conn: http.client.HTTPSConnection, caplog: pytest.LogCaptureFixture
+) -> None:
+    forged = "\n2026-01-01 00:00:00 INFO webhook.routes: /mutate-pod default/x uid=y patched"
+    pod = load("pod-gpu.yaml")
+    pod["metadata"]["generateName"] = "virt-launcher-" + forged + "z" * 10_000
+    limits = container(pod, "compute")["resources"]["limits"]
+    limits["nvidia.com/GA102" + forged] = "1"
+    review = admission_review(pod, namespace="vms" + forged, uid="u" + forged)
+    caplog.set_level(logging.INFO, logger="webhook.routes")
+
+    admit(conn, "/mutate-pod", review)
+
+    (record,) = [r for r in caplog.records if r.name == "webhook.routes"]
+    message = record.getMessage()
+    assert "\n" not in message
+    assert message.isprintable()
+    assert len(message) < 1_000
+    assert "patched" in message
+    assert message.count("INFO webhook.routes") == 4  # all four, quoted inside the one line

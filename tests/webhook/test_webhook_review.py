@@ -442,3 +442,64 @@ def test_opted_out_vmi_namespace_gets_no_sidecar() -> None:
     answer = review_vmi(vmi_review(load("vmi-hostdevice-with-sidecar.yaml")), config)
 
     assert answer.outcome == "unchanged"
+
+
+HOSTILE = "nvidia.com/GA102\n2026-01-01 00:00:00 INFO webhook.routes: pod admitted\x1b[2J"
+
+
+def hostile_pod(*names: str) -> Json:
+    pod = load("pod-gpu.yaml")
+    resources = container(pod, "compute")["resources"]
+    for name in names:
+        resources["limits"][name] = "1"
+        resources["requests"][name] = "1"
+    return pod
+
+
+def test_resource_names_in_a_reason_are_quoted_and_cannot_forge_a_line() -> None:
+    answer = review_pod(admission_review(hostile_pod(HOSTILE)), DEFAULT)
+
+    assert answer.outcome == "patched"
+    assert answer.reason.isprintable()
+    assert "'nvidia.com/GA102\\n2026-01-01 00:00:00 INFO webhook.routes: pod admitted\\x1b[2J'" in (
+        answer.reason
+    )
+
+
+def test_a_huge_or_numerous_resource_names_make_a_short_reason() -> None:
+    names = [f"nvidia.com/{'x' * 100_000}{n}" for n in range(50)]
+
+    answer = review_pod(admission_review(hostile_pod(*names)), DEFAULT)
+
+    assert answer.outcome == "patched"
+    assert len(answer.reason) < 1_000
+    assert answer.reason.endswith(" more")
+    assert "chars]" in answer.reason  # each name cut, saying how much was dropped
+
+
+def test_device_names_in_a_vmi_reason_are_quoted() -> None:
+    vmi = load("vmi-gpu.yaml")
+    vmi["spec"]["domain"]["devices"]["gpus"][0]["deviceName"] = HOSTILE
+    config = Config(hook_sidecar=HookSidecar(image="ghcr.io/kubevirt-iommufd/kubevirt-iommufd:v1"))
+
+    answer = review_vmi(admission_review(vmi, kind="VirtualMachineInstance"), config)
+
+    assert answer.outcome == "patched"
+    assert answer.reason.isprintable()
+    assert "\\n2026-01-01" in answer.reason
+
+
+@pytest.mark.parametrize(
+    "operation",
+    ["UPDATE\nINFO forged", ["nested"] * 3, {"op": "x"}],
+    ids=["string", "list", "object"],
+)
+def test_an_operation_other_than_create_is_shown_quoted(operation: object) -> None:
+    review = admission_review(load("pod-gpu.yaml"))
+    review["request"]["operation"] = operation
+
+    answer = review_pod(review, DEFAULT)
+
+    assert answer.outcome == "unchanged"
+    assert answer.reason.isprintable()
+    assert "is not CREATE" in answer.reason
