@@ -5,6 +5,7 @@ do."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -237,3 +238,54 @@ def test_example_vmis(example: str) -> None:
         sidecars = json.loads(annotations["hooks.kubevirt.io/hookSidecars"])
         assert isinstance(sidecars, list) and sidecars[0]["args"][0] == "hook"
         assert annotations.get("iommufd.kubevirt.io/mode") in {None, "auto", "require", "disable"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_network_policy_admits_admissions_only_by_address(overlay: str) -> None:
+    objects = render(overlay)
+    policy = one(objects, "NetworkPolicy")["spec"]
+    template = one(objects, "Deployment")["spec"]["template"]
+    container = template["spec"]["containers"][0]
+
+    assert policy["podSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]
+    rules = {port["port"]: rule for rule in policy["ingress"] for port in rule["ports"]}
+    # Every port the pod serves has a rule, or the probes would fail.
+    assert set(rules) == {p["name"] for p in container["ports"]}
+    admission = rules["https"]
+    assert admission["from"], "an empty 'from' admits everyone"
+    # The API server comes from host network: a pod or namespace selector would only admit pods.
+    assert all(set(peer) == {"ipBlock"} for peer in admission["from"])
+    assert "from" not in rules["health"]
+
+
+def install_doc_overlay() -> dict[str, Any]:
+    """The overlay docs/install.md gives for narrowing the policy, as a document."""
+    text = (REPO / "docs" / "install.md").read_text(encoding="utf-8")
+    section = text.split("### Network policy", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    document = yaml.safe_load(block)
+    assert isinstance(document, dict)
+    return document
+
+
+def test_the_documented_patch_narrows_the_policy(tmp_path: Path) -> None:
+    overlay = install_doc_overlay()
+    # kustomize takes only relative paths to other kustomizations.
+    overlay["resources"] = [os.path.relpath(MANIFESTS / "overlays" / "cert-manager", tmp_path)]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+
+    assert done.returncode == 0, done.stderr
+    objects = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    policy = one(objects, "NetworkPolicy")
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    assert policy["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.20.0.0/24"}}]
+    assert policy["spec"]["ingress"][0]["ports"] == [{"port": "https", "protocol": "TCP"}]
