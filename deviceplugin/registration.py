@@ -12,6 +12,7 @@ import grpc
 
 from deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from hostdev.unix_socket import MAX_SOCKET_PATH, UnixSocketError, bind_unix_socket_path
+from hostdev.untrusted import quote_untrusted
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ def register_with_kubelet(
         except grpc.RpcError as error:
             detail = error.details() if isinstance(error, grpc.Call) else str(error)
             raise RegistrationError(
-                f"kubelet at {kubelet_socket} refused {resource_name}: {detail}"
+                f"kubelet at {kubelet_socket} refused {resource_name}:"
+                f" {quote_untrusted(detail or '')}"
             ) from error
 
 

@@ -1,16 +1,21 @@
 """The plugin's gRPC sockets get mode 0600 whatever the umask, and the kubelet (root) still
-reaches them: registration, Allocate and re-registration over real gRPC under umask 000."""
+reaches them: registration, Allocate and re-registration over real gRPC under umask 000. And what
+the kubelet answers to a Register is quoted before it reaches a log line."""
 
 from __future__ import annotations
 
 import os
 import stat
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
 from conftest import BuildHost
+from deviceplugin.registration import RegistrationError, register_with_kubelet
+from deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
 
 
@@ -79,3 +84,25 @@ def test_a_removed_plugin_socket_comes_back_0600(
     (kubelet.directory / "kubevirt-iommufd-nvidia.com_GH100H100_SXM5_80GB.sock").unlink()
     kubelet.wait_registered(H100, count=2)
     assert _plugin_socket_modes(kubelet.directory) == EXPECTED
+
+
+class _RefusingKubelet:
+    def Register(
+        self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext
+    ) -> api_pb2.Empty:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad\nERROR forged " + "x" * 5_000)
+
+
+def test_a_kubelets_refusal_is_quoted_and_short(short_dir: Path) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    api_pb2_grpc.add_RegistrationServicer_to_server(_RefusingKubelet(), server)
+    server.add_insecure_port(f"unix://{short_dir / 'kubelet.sock'}")
+    server.start()
+    try:
+        with pytest.raises(RegistrationError) as caught:
+            register_with_kubelet(short_dir, H100, "x.sock", api_pb2.DevicePluginOptions())
+    finally:
+        server.stop(0).wait()
+    message = str(caught.value)
+    assert "refused nvidia.com/GH100H100_SXM5_80GB: 'bad\\nERROR forged xxx" in message
+    assert len(message) < 400 and "\n" not in message
