@@ -6,7 +6,7 @@ The document's shape is versioned by its `schema` field and described in docs/in
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hostdev.assess import assess_function
@@ -20,8 +20,14 @@ _NAME_WIDTH = 48
 Document = dict[str, Any]
 
 
-def build_report(inventory: HostInventory, names: PciIds, only: Iterable[Bdf] = ()) -> Document:
-    """The report for every function, or for the groups of the functions in `only`."""
+def build_report(
+    inventory: HostInventory,
+    names: PciIds,
+    only: Iterable[Bdf] = (),
+    labels: Mapping[str, str] | None = None,
+) -> Document:
+    """The report for every function, or for the groups of the functions in `only`; with the
+    node labels (`hostdev.node_labels`) the node would get when `labels` is given."""
     wanted = set(only)
     functions = [
         f
@@ -33,7 +39,7 @@ def build_report(inventory: HostInventory, names: PciIds, only: Iterable[Bdf] = 
     for function, device in zip(functions, devices, strict=True):
         groups.setdefault(function.iommu_group, []).append(device)
     ordered = sorted(groups.items(), key=lambda item: (item[0] is None, item[0] or 0))
-    return {
+    document: Document = {
         "schema": SCHEMA,
         "host": _host(inventory.capabilities),
         "summary": {
@@ -45,6 +51,9 @@ def build_report(inventory: HostInventory, names: PciIds, only: Iterable[Bdf] = 
         },
         "groups": [_group(inventory.group(number), number, members) for number, members in ordered],
     }
+    if labels is not None:
+        document["labels"] = dict(labels)
+    return document
 
 
 def _shares_group(function: PciFunction, wanted: set[Bdf], inventory: HostInventory) -> bool:
@@ -132,10 +141,20 @@ def _hex4(value: int | None) -> str | None:
 
 
 def render_table(report: Document) -> str:
-    """The report as text: a host line, a count line, then one row per function by group."""
+    """The report as text: a host line, a count line, one row per function by group, then the
+    node labels when the report has them."""
     lines = [render_host_line(report["host"]), _summary_line(report["summary"])]
     if not report["groups"]:
-        return "\n".join([*lines, "no PCI functions found"]) + "\n"
+        lines.append("no PCI functions found")
+    else:
+        lines.extend(_function_rows(report))
+    if "labels" in report:
+        lines.append("labels:")
+        lines.extend(f"  {key}={value}" for key, value in report["labels"].items())
+    return "\n".join(lines) + "\n"
+
+
+def _function_rows(report: Document) -> list[str]:
     header = ("GROUP", "BDF", "ID", "DEVICE", "DRIVER", "CDEV", "NUMA", "ASSIGNABLE")
     rows: list[tuple[str, ...]] = []
     for group in report["groups"]:
@@ -159,10 +178,11 @@ def render_table(report: Document) -> str:
         for name in group["other_members"]:
             rows.append(("", name, "", "(not a PCI function)", "", "", "", ""))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    lines = []
     for row in [header, *rows]:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         lines.append("  ".join([*cells, row[-1]]).rstrip())
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def render_host_line(host: Document) -> str:

@@ -9,7 +9,9 @@ import tempfile
 from pathlib import Path
 
 from hostdev.bdf import Bdf
+from hostdev.config import ConfigError, PluginConfig, default_config, load_config
 from hostdev.errors import HostdevError
+from hostdev.node_labels import build_node_labels, count_iommufd_devices
 from hostdev.pciids import PciIds
 from hostdev.report import SCHEMA, build_report, render_table
 from hostdev.scan import scan_host
@@ -23,7 +25,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "List the node's PCI functions grouped by IOMMU group: ids and names, driver, VFIO"
             " cdev, NUMA node, and whether each can be assigned to a VM (over iommufd or legacy"
-            " VFIO) with the reason when it cannot. Exit 0 on success, 1 on an error."
+            " VFIO) with the reason when it cannot, and the kubevirt-iommufd.io/ node labels the"
+            " device plugin would give the node. Exit 0 on success, 1 on an error."
         ),
     )
     inspect.add_argument(
@@ -54,11 +57,18 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="FILE",
         help="pci.ids database for names; 'none' for ids only (default: the system's copy)",
     )
+    inspect.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the device plugin's configuration, for the node labels (default: the built-in"
+        " one: NVIDIA GPUs and NVSwitches on VFIO drivers)",
+    )
     inspect.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     only = [Bdf.parse(text) for text in args.bdfs]
+    config = _config(args.config)
     names = _pci_ids(args.pci_ids)
     if args.example:
         with tempfile.TemporaryDirectory(prefix="kubevirt-iommufd-example-") as tree:
@@ -73,13 +83,24 @@ def run(args: argparse.Namespace) -> int:
         raise HostdevError(
             f"no PCI function {listed} on this host; run `kubevirt-iommufd inspect` to list them"
         )
-    report = build_report(inventory, names, only)
+    counts = count_iommufd_devices(inventory, config, names)
+    labels = build_node_labels(inventory.capabilities, counts)
+    report = build_report(inventory, names, only, labels)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_table(report))
     return 0
+
+
+def _config(option: str | None) -> PluginConfig:
+    if option is None:
+        return default_config()
+    try:
+        return load_config(Path(option))
+    except ConfigError as error:
+        raise HostdevError(str(error)) from None
 
 
 def _pci_ids(option: str | None) -> PciIds:

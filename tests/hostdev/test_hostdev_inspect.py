@@ -58,6 +58,11 @@ def test_table_for_a_vga_gpu_with_its_audio_function(
         " snd_hda_intel",
         "       0000:3b:00.1  10de:1aef  NVIDIA Corporation GA102 High Definition Audio …"
         "  snd_hda_intel  -      0     no: bound to snd_hda_intel, not to a VFIO driver",
+        "labels:",
+        "  kubevirt-iommufd.io/iommufd=false",
+        "  kubevirt-iommufd.io/vfio-cdev=true",
+        "  kubevirt-iommufd.io/kernel=6.12",
+        "  kubevirt-iommufd.io/iommufd-devices.nvidia.com_GA102_GEFORCE_RTX_3090=0",
     ]
 
 
@@ -76,7 +81,14 @@ def test_table_on_a_legacy_only_host_says_why(
         "yes (legacy VFIO; no VFIO cdev: the kernel lacks CONFIG_VFIO_DEVICE_CDEV;"
         " no iommufd: the kernel lacks CONFIG_IOMMUFD)"
     )
-    assert len(lines) == 4  # only the asked-for function and its (single-member) group
+    # Only the asked-for function and its (single-member) group, then the node's labels.
+    assert lines[4:] == [
+        "labels:",
+        "  kubevirt-iommufd.io/iommufd=false",
+        "  kubevirt-iommufd.io/vfio-cdev=false",
+        "  kubevirt-iommufd.io/kernel=6.1",
+        "  kubevirt-iommufd.io/iommufd-devices.nvidia.com_2330=0",
+    ]
 
 
 def test_nvidia_driver_reason(
@@ -86,7 +98,8 @@ def test_nvidia_driver_reason(
         capsys, "inspect", "--root", str(scenario_root("nvidia-driver")), "--pci-ids", "none"
     )
     assert code == 0
-    assert out.splitlines()[-1].endswith("no: bound to nvidia, not to a VFIO driver")
+    rows = out.split("labels:")[0].splitlines()
+    assert rows[-1].endswith("no: bound to nvidia, not to a VFIO driver")
 
 
 def test_host_without_iommu_is_reported_plainly(
@@ -95,7 +108,8 @@ def test_host_without_iommu_is_reported_plainly(
     code, out, err = run(capsys, "inspect", "--root", str(scenario_root("no-iommu")))
     assert (code, err) == (0, "")
     assert "IOMMU off" in out.splitlines()[0]
-    assert out.splitlines()[-1].endswith(
+    rows = out.split("labels:")[0].splitlines()
+    assert rows[-1].endswith(
         "no: no IOMMU: enable VT-d/AMD-Vi in the firmware and"
         " boot with intel_iommu=on (or amd_iommu=on)"
     )
@@ -107,6 +121,8 @@ def test_host_without_pci_devices(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert out.splitlines()[1:] == [
         "0 PCI functions in 0 IOMMU groups; 0 assignable (0 over iommufd, 0 over legacy VFIO only)",
         "no PCI functions found",
+        "labels:",
+        "  kubevirt-iommufd.io/iommufd=false",
     ]
 
 
@@ -168,6 +184,33 @@ def test_json_document(
     ]
 
 
+def test_json_labels_follow_the_config(
+    capsys: pytest.CaptureFixture[str], scenario_root: ScenarioRoot, tmp_path: Path
+) -> None:
+    root = str(scenario_root("hgx-h100"))
+    _, out, _ = run(capsys, "inspect", "--root", root, "--json", "--pci-ids", "none")
+    assert json.loads(out)["labels"] == {
+        "kubevirt-iommufd.io/iommufd": "true",
+        "kubevirt-iommufd.io/vfio-cdev": "true",
+        "kubevirt-iommufd.io/kernel": "6.12",
+        "kubevirt-iommufd.io/iommufd-devices.nvidia.com_2330": "8",
+    }
+    config = tmp_path / "plugin.yaml"
+    config.write_text(
+        "deviceMode: legacy\n"
+        "resources:\n"
+        "- resourceName: example.com/h100\n"
+        "  selectors: {devices: ['2330']}\n"
+    )
+    _, out, _ = run(capsys, "inspect", "--root", root, "--json", "--config", str(config))
+    assert json.loads(out)["labels"] == {
+        "kubevirt-iommufd.io/iommufd": "false",
+        "kubevirt-iommufd.io/vfio-cdev": "true",
+        "kubevirt-iommufd.io/kernel": "6.12",
+        "kubevirt-iommufd.io/iommufd-devices.example.com_h100": "0",
+    }
+
+
 def documented_fields(section: str) -> set[str]:
     text = DOC.read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
@@ -212,8 +255,12 @@ def test_example_node_needs_no_root(capsys: pytest.CaptureFixture[str]) -> None:
             ["inspect", "--example", "sriov", "--pci-ids", "/nonexistent/pci.ids"],
             "pci.ids file '/nonexistent/pci.ids' not found",
         ),
+        (
+            ["inspect", "--example", "sriov", "--config", "/nonexistent/plugin.yaml"],
+            "cannot read config /nonexistent/plugin.yaml",
+        ),
     ],
-    ids=["missing-root", "bdf-with-dotdot", "unknown-bdf", "missing-pci-ids"],
+    ids=["missing-root", "bdf-with-dotdot", "unknown-bdf", "missing-pci-ids", "missing-config"],
 )
 def test_errors_are_one_line_and_exit_1(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str

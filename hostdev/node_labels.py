@@ -1,0 +1,104 @@
+"""The node labels that say what a node offers for iommufd, as a pure function of what the device
+plugin or the DRA driver found; the feature file and the Node patcher publish them.
+
+Every key is under `kubevirt-iommufd.io/`:
+- `iommufd`: `true` when `/dev/iommu` exists and at least one managed device can be handed out
+  over iommufd (its VFIO cdev is there), else `false`;
+- `vfio-cdev`: `true`/`false`, whether the kernel gives VFIO devices cdevs; absent while no
+  device on a VFIO driver shows either way;
+- `kernel`: the kernel's `major.minor` (`6.12`); absent when the release cannot be read;
+- one count per managed resource: how many of its devices can be handed out over iommufd.
+
+A resource name (`nvidia.com/GH100H100_SXM5_80GB`) is not a label name: its `/` is not allowed
+and it may be longer than 63 characters. Its count's name is `iommufd-devices.` + the resource
+name with its `/` made `_` (`iommufd-devices.nvidia.com_GH100H100_SXM5_80GB`): a resource
+domain never holds `_`, so the first `_` marks where the `/` was and the name maps back to one
+resource. A resource that does not fit (or holds characters a label name cannot) gets
+`iommufd-devices-<10 hex digits of its SHA-256>.<as much of the name as fits>`; its `-` after
+`devices` keeps it apart from every plain name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+
+from hostdev.assess import Backend, assess_function
+from hostdev.config import DeviceMode, PluginConfig
+from hostdev.model import HostCapabilities, HostInventory
+from hostdev.pciids import PciIds
+from hostdev.selection import resource_for
+
+LABEL_PREFIX = "kubevirt-iommufd.io/"
+IOMMUFD_LABEL = LABEL_PREFIX + "iommufd"
+VFIO_CDEV_LABEL = LABEL_PREFIX + "vfio-cdev"
+KERNEL_LABEL = LABEL_PREFIX + "kernel"
+COUNT_NAME = "iommufd-devices."
+_HASHED_COUNT_NAME = "iommufd-devices-"
+_MAX_NAME = 63
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_NOT_NAME = re.compile(r"[^-A-Za-z0-9_.]")
+_KERNEL = re.compile(r"(\d{1,4})\.(\d{1,4})")
+
+
+def build_node_labels(
+    capabilities: HostCapabilities, iommufd_devices: Mapping[str, int]
+) -> dict[str, str]:
+    """The labels for a node whose managed resources have `iommufd_devices[resource]` devices
+    that can be handed out over iommufd (every managed resource listed, 0 included)."""
+    usable = capabilities.iommufd_node_present and any(n > 0 for n in iommufd_devices.values())
+    labels = {IOMMUFD_LABEL: _bool(usable)}
+    if capabilities.vfio_cdev is not None:
+        labels[VFIO_CDEV_LABEL] = _bool(capabilities.vfio_cdev)
+    kernel = kernel_version(capabilities.kernel_release)
+    if kernel is not None:
+        labels[KERNEL_LABEL] = kernel
+    for resource, count in sorted(iommufd_devices.items()):
+        labels[resource_count_label(resource)] = str(count)
+    return labels
+
+
+def count_iommufd_devices(
+    inventory: HostInventory, config: PluginConfig, names: PciIds
+) -> dict[str, int]:
+    """Per resource the configuration selects functions for, how many of them a VM could be
+    given over iommufd now: what `inspect` shows before any component runs."""
+    counts: dict[str, int] = {}
+    for function in inventory.functions:
+        chosen = resource_for(function, config.resources, names)
+        if chosen is None:
+            continue
+        usable = (
+            config.device_mode is not DeviceMode.LEGACY
+            and assess_function(function, inventory).backend is Backend.IOMMUFD
+        )
+        counts[chosen[0]] = counts.get(chosen[0], 0) + int(usable)
+    return counts
+
+
+def resource_count_label(resource: str) -> str:
+    """The key of a resource's count label (see the module's docstring for the mapping)."""
+    domain, slash, rest = resource.partition("/")
+    plain = COUNT_NAME + domain + "_" + rest
+    if slash and "_" not in domain and len(plain) <= _MAX_NAME and _LABEL_NAME.fullmatch(plain):
+        return LABEL_PREFIX + plain
+    digest = hashlib.sha256(resource.encode()).hexdigest()[:10]
+    head = f"{_HASHED_COUNT_NAME}{digest}."
+    tail = _NOT_NAME.sub("-", resource.replace("/", "_"))[: _MAX_NAME - len(head)]
+    return LABEL_PREFIX + (head + tail).rstrip("-_.")
+
+
+def kernel_version(release: str | None) -> str | None:
+    """`6.12.0-kubevirt-iommufd` → `6.12`; None for a release that does not start so."""
+    match = _KERNEL.match(release or "")
+    return None if match is None else f"{int(match[1])}.{int(match[2])}"
+
+
+def is_ours(key: str) -> bool:
+    """A label this project owns (and may remove)."""
+    return key.startswith(LABEL_PREFIX)
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
