@@ -2,8 +2,9 @@
 
 Every part is the real one, over its real transport: the device plugin over gRPC on unix sockets
 against the kubelet stand-in, the webhook over HTTPS, the iommufd fd hand-off over its socket,
-the launcher hook over its gRPC socket. Each step prints what happened and checks it; the exit
-status is 0 only when every check held.
+the launcher hook over its gRPC socket; in the `dra` scenario, the DRA driver instead
+(`demo_dra`). Each step prints what happened and checks it; the exit status is 0 only when every
+check held.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ from hostdev.report import build_report, render_table
 from hostdev.scan import scan_host
 from hostdev.simhost import build_tree, hgx_h100
 from kubevirt_iommufd.certs import build_serving_certificate
+from kubevirt_iommufd.demo_checks import Checks
 from kubevirt_iommufd.demo_command import SCENARIOS, Scenario
+from kubevirt_iommufd.demo_dra import run_dra
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 from launcher_hook.capabilities import LibvirtVersionSource
 from launcher_hook.domain import DECISION_NS
@@ -62,38 +65,21 @@ from webhook.plan import pointer
 from webhook.server import WebhookServer
 
 
-class Checks:
-    """Prints steps and checks, and remembers whether every check held."""
-
-    def __init__(self) -> None:
-        self.failed: list[str] = []
-
-    def step(self, number: int, title: str) -> None:
-        print(f"\n[{number}/5] {title}")
-
-    def show(self, text: str) -> None:
-        for line in text.rstrip("\n").splitlines():
-            print(f"      {line}")
-
-    def check(self, ok: bool, text: str) -> bool:
-        print(f"  {'ok  ' if ok else 'FAIL'} {text}")
-        if not ok:
-            self.failed.append(text)
-        return ok
-
-
 def run(args: argparse.Namespace) -> int:
     scenario = SCENARIOS[args.scenario]
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.CRITICAL,
         format="      log: %(levelname)s %(name)s %(message)s",
     )
-    checks = Checks()
+    checks = Checks(scenario.steps)
     print(f"kubevirt-iommufd demo, scenario {args.scenario}: {scenario.description}")
     # Unix socket paths hold 107 bytes: keep the work directory short.
     work = Path(tempfile.mkdtemp(prefix="kid-", dir="/tmp"))
     try:
-        _run(scenario, work, checks)
+        if scenario.flow == "dra":
+            run_dra(scenario, work, checks)
+        else:
+            _run(scenario, work, checks)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if checks.failed:

@@ -73,6 +73,37 @@ def test_fall_back_scenarios(
     assert "<iommufd" not in out
 
 
+def test_dra_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_demo(capsys, "dra")
+    assert code == 0, out
+    assert "FAIL" not in out
+    for expected in (
+        "[1/6] the DRA driver starts on a simulated node and registers with the kubelet",
+        "GetInfo -> DRAPlugin vfio.kubevirt-iommufd.io, versions v1.DRAPlugin, v1beta1.DRAPlugin",
+        "ok   registered: the kubelet speaks v1.DRAPlugin to dra.sock",
+        "pool gpu-node-1, generation 1: 1 slice(s) (gpu-node-1-vfio.kubevirt-iommufd.io-0), 8",
+        "pci-0000-18-00-0  0000:18:00.0",
+        "ok   8 GPUs in pool gpu-node-1, nodeName gpu-node-1, resourceSliceCount 1",
+        "ok   the slices are owned by Node gpu-node-1",
+        "gpu -> vfio.kubevirt-iommufd.io gpu-node-1/pci-0000-18-00-0",
+        "ok   the claim is prepared, with no error",
+        "ok   asked again (as the kubelet retries), the same answer",
+        '"kind": "vfio.kubevirt-iommufd.io/claim"',
+        '{"path": "/dev/vfio/devices/vfio0"},',
+        "ok   device nodes for iommufd: /dev/vfio/devices/vfio0 /dev/iommu /dev/vfio/vfio",
+        "metadata file, mounted in the pod at /var/run/kubernetes.io/dra-device-attributes/"
+        "resourceclaims/vm-gpu/gpu/vfio.kubevirt-iommufd.io-metadata.json:",
+        '"kind": "DeviceMetadata"',
+        '"resource.kubernetes.io/pciBusID": {"string": "0000:18:00.0"},',
+        "ok   one request, one device, its PCI address 0000:18:00.0: what KubeVirt expects",
+        "[6/6] the VM's pod is gone: NodeUnprepareResources (gRPC)",
+        "ok   its CDI spec, metadata file and state record are gone",
+        "demo passed: every step did what it should",
+    ):
+        assert expected in out
+    assert out.count("\n  ok   ") == 16
+
+
 def test_a_failed_check_fails_the_demo(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -82,6 +113,20 @@ def test_a_failed_check_fails_the_demo(
     code, out = run_demo(capsys, "legacy-node")
     assert code == 1
     assert "FAIL both GPUs on iommufd" in out
+    assert "demo FAILED: 1 check(s) did not hold" in out
+
+
+def test_a_failed_dra_check_fails_the_demo(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A claim on a node without iommufd gets legacy VFIO nodes only, not the cdev the
+    # mislabelled scenario expects.
+    wrong = demo_command.Scenario("mislabelled", legacy_only, "12.9.0", "iommufd", flow="dra")
+    monkeypatch.setitem(demo_command.SCENARIOS, "dra", wrong)
+    code, out = run_demo(capsys, "dra")
+    assert code == 1
+    assert "FAIL device nodes for iommufd: (no cdev) /dev/iommu /dev/vfio/vfio" in out
+    assert "ok   its CDI spec, metadata file and state record are gone" in out
     assert "demo FAILED: 1 check(s) did not hold" in out
 
 
