@@ -1,7 +1,10 @@
 """Malformed reviews, from slightly damaged launcher pods to garbage: never a 500, never a crash.
 
 Damage is done where it hurts: a realistic review has one or more of its fields (anywhere in the
-tree) replaced by arbitrary JSON or deleted, so the planners' every reader gets exercised.
+tree) replaced by arbitrary JSON or deleted, so the planners' every reader gets exercised. Through
+the real HTTPS server, well-formed but varied launcher pods (hostile names, odd uids, resources in
+limits, requests or both, compute anywhere) must come back with their uid and a patch that
+applies. Every suite is seeded (`derandomize`) and bounded, so a run is the same run every time.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from hypothesis import strategies as st
 from webhook.config import Config, HookSidecar
 from webhook.review import BadReview, Verdict, review_pod, review_vmi
 from webhook_testkit import (
+    IOMMUFD,
     Json,
     RunningServer,
     Tls,
     admission_review,
+    container,
     https,
     load,
     make_tls,
@@ -112,7 +117,7 @@ def check_verdict(body: Json, verdict: Verdict) -> None:
         assert "\n" not in warning
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=600, deadline=None, derandomize=True, database=None)
 @given(review=damaged_reviews(), config=st.sampled_from(CONFIGS))
 def test_damaged_reviews_get_an_answer_or_a_bad_review(review: Json, config: Config) -> None:
     for reviewer in (review_pod, review_vmi):
@@ -126,7 +131,7 @@ def test_damaged_reviews_get_an_answer_or_a_bad_review(review: Json, config: Con
         check_verdict(review, verdict)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(body=json_values, config=st.sampled_from(CONFIGS))
 def test_arbitrary_json_gets_an_answer_or_a_bad_review(body: object, config: Config) -> None:
     for reviewer in (review_pod, review_vmi):
@@ -153,7 +158,11 @@ def conn(live: tuple[RunningServer, Tls]) -> Iterator[http.client.HTTPSConnectio
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(
     body=damaged_reviews().map(lambda r: json.dumps(r).encode()) | st.binary(max_size=300),
@@ -166,11 +175,109 @@ def test_over_https_a_bad_body_is_a_4xx_and_the_connection_lives_on(
 
     assert status in (200, 400), text
     if status == 200:
-        assert json.loads(text)["kind"]
+        answer = json.loads(text)
+        assert answer["kind"]
+        sent = json.loads(body)
+        check_verdict_json(sent, answer)
+
+
+def check_verdict_json(sent: Json, answer: Json) -> None:
+    """What every answer over the wire must be: the uid back, a patch that applies."""
+    response = answer["response"]
+    assert response["uid"] == sent["request"]["uid"]
+    assert isinstance(response["allowed"], bool)
+    if "patch" in response:
+        assert response["patchType"] == "JSONPatch"
+        operations = json.loads(base64.b64decode(response["patch"], validate=True))
+        jsonpatch.JsonPatch(operations).apply(copy.deepcopy(sent["request"]["object"]))
+    for warning in response.get("warnings", []):
+        assert warning.isprintable()
+
+
+hostile_text = st.text(
+    st.characters(codec="utf-8")
+    | st.sampled_from(["\n", "\r", "\x00", "\x1b", "\u202e", "'", "/"]),
+    min_size=1,
+    max_size=30,
+)
+resource_names = (
+    st.sampled_from(["nvidia.com/GH100_H100", "nvidia.com/GA102GL_A10", "intel.com/qat_4xxx"])
+    | st.builds(lambda name: "nvidia.com/" + name, hostile_text)
+    | st.builds(lambda domain, name: f"{domain}/{name}", hostile_text, hostile_text)
+    | st.just(IOMMUFD)
+)
+quantities = st.sampled_from(["1", "2", "8", "0"]) | st.integers(0, 16).map(str)
+
+
+@st.composite
+def launcher_reviews(draw: st.DrawFn) -> Json:
+    """A well-formed launcher pod review with varied resources, position of compute and text."""
+    pod = copy.deepcopy(draw(st.sampled_from(LAUNCHER_PODS)))
+    compute = container(pod, "compute")
+    resources: dict[str, dict[str, str]] = {}
+    for section in draw(st.sampled_from([("limits",), ("requests",), ("limits", "requests")])):
+        resources[section] = draw(st.dictionaries(resource_names, quantities, max_size=4))
+    compute["resources"] = resources
+    others = [c for c in pod["spec"]["containers"] if c is not compute]
+    position = draw(st.integers(0, len(others)))
+    pod["spec"]["containers"] = [*others[:position], compute, *others[position:]]
+    pod["metadata"]["generateName"] = draw(hostile_text)
+    uid = draw(st.text(min_size=1, max_size=40))
+    return admission_review(pod, namespace=draw(hostile_text), uid=uid)
+
+
+LAUNCHER_PODS = [
+    load(name)
+    for name in (
+        "pod-gpu.yaml",
+        "pod-hostdevice.yaml",
+        "pod-hook-sidecars.yaml",
+        "pod-compute-not-first.yaml",
+    )
+]
 
 
 @settings(
-    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(review=launcher_reviews())
+def test_over_https_launcher_pods_get_their_uid_and_a_patch_that_applies(
+    conn: http.client.HTTPSConnection, review: Json
+) -> None:
+    status, text, _ = post(conn, "/mutate-pod", json.dumps(review).encode())
+
+    assert status == 200, text
+    answer = json.loads(text)
+    check_verdict_json(review, answer)
+    pod = review["request"]["object"]
+    resources = container(pod, "compute")["resources"]
+    managed = any(
+        name.startswith("nvidia.com/") for section in resources.values() for name in section
+    )
+    has_iommufd = IOMMUFD in resources.get("limits", {})
+    assert ("patch" in answer["response"]) is (managed and not has_iommufd)
+    if "patch" in answer["response"]:
+        operations = json.loads(base64.b64decode(answer["response"]["patch"]))
+        patched = jsonpatch.JsonPatch(operations).apply(copy.deepcopy(pod))
+        result = container(patched, "compute")["resources"]
+        # A request the pod already has sets the value: an extended resource's two must agree.
+        assert result["limits"][IOMMUFD] == resources.get("requests", {}).get(IOMMUFD, "1")
+        if "requests" in result:
+            assert result["requests"][IOMMUFD] == result["limits"][IOMMUFD]
+        others = [c for c in patched["spec"]["containers"] if c["name"] != "compute"]
+        assert others == [c for c in pod["spec"]["containers"] if c["name"] != "compute"]
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(garbage=st.binary(min_size=1, max_size=200))
 def test_garbage_http_is_refused_and_the_server_carries_on(
