@@ -73,6 +73,10 @@ class HostSpec:
     """Non-PCI group members, by group number: name of a platform device on no driver."""
 
 
+BuildHost = Callable[[HostSpec], Path]
+"""Writes a simulated node and returns its root (the tests' `build_host` fixture is one)."""
+
+
 def build_tree(spec: HostSpec, root: Path) -> Path:
     """Write the node under `root` (created if needed) and return `root`."""
     _Builder(spec, root).build()

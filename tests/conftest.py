@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hostdev.simhost import SCENARIOS, HostSpec, build_tree
-
-BuildHost = Callable[[HostSpec], Path]
+from hostdev.simhost import SCENARIOS, BuildHost, HostSpec, build_tree
 
 
 @pytest.fixture

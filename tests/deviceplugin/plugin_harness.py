@@ -11,13 +11,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import BuildHost
 from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
 from hostdev.config import PluginConfig, default_config
 from hostdev.pciids import PciIds
-from hostdev.simhost import SCENARIOS
+from hostdev.simhost import SCENARIOS, BuildHost
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 
 H100 = "nvidia.com/GH100H100_SXM5_80GB"

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BuildHost
-from hostdev.simhost import hgx_h100
+from hostdev.simhost import BuildHost, hgx_h100
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 
 

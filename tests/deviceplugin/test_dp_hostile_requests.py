@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import BuildHost
 from deviceplugin.v1beta1 import api_pb2
 from hostdev.config import PluginConfig, default_config
+from hostdev.simhost import BuildHost
 from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
 
 MEGABYTE_ID = "0000:18:00.0" + "x" * 1_000_000

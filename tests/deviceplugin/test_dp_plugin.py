@@ -13,7 +13,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import BuildHost
 from hostdev.config import (
     DeviceMode,
     PluginConfig,
@@ -21,7 +20,7 @@ from hostdev.config import (
     Selectors,
     default_config,
 )
-from hostdev.simhost import bind_driver, unbind_driver
+from hostdev.simhost import BuildHost, bind_driver, unbind_driver
 from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
 
 GPUS = [

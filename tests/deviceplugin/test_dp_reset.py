@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BuildHost
 from deviceplugin.command import apply_flags
 from deviceplugin.inventory import build_device_tree
 from deviceplugin.reset_policy import (
@@ -25,7 +24,7 @@ from deviceplugin.reset_policy import (
 from hostdev.config import ConfigError, default_config, parse_config
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
-from hostdev.simhost import hgx_h100
+from hostdev.simhost import BuildHost, hgx_h100
 from kubevirt_iommufd.cli import build_parser
 
 H100 = "nvidia.com/H100"

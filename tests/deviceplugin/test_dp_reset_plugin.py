@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BuildHost
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
 from hostdev.config import PluginConfig, parse_config
 from hostdev.pciids import PciIds
-from hostdev.simhost import hgx_h100
+from hostdev.simhost import BuildHost, hgx_h100
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 from podresources_standin import PodResourcesStandIn
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BuildHost
 from hostdev.assess import Backend, assess_function
 from hostdev.bdf import Bdf
 from hostdev.bind import HostAccess, Outcome, Status, bind_devices, unbind_devices
@@ -23,6 +22,7 @@ from hostdev.simhost import (
     CLASS_PCI_BRIDGE,
     CLASS_VGA,
     NVIDIA,
+    BuildHost,
     FunctionSpec,
     HostSpec,
     hgx_h100,

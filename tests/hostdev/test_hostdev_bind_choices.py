@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BuildHost
 from hostdev.bdf import Bdf
 from hostdev.bind_plan import BindRequest, plan_bind
 from hostdev.driver_match import (
@@ -24,7 +23,7 @@ from hostdev.reservations import (
 )
 from hostdev.scan import scan_host
 from hostdev.selector import DeviceSelector, InvalidSelector
-from hostdev.simhost import hgx_h100, nvidia_driver
+from hostdev.simhost import BuildHost, hgx_h100, nvidia_driver
 from hostdev.usage import FunctionUsage
 
 B = Bdf.parse

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BuildHost
 from hostdev.simhost import (
     CLASS_AUDIO,
     CLASS_VGA,
     NVIDIA,
+    BuildHost,
     FunctionSpec,
     HostSpec,
     hgx_h100,

@@ -7,13 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import BuildHost
 from hostdev.bdf import Bdf
 from hostdev.pciids import PciIds
 from hostdev.report import NO_RESET_WARNING, build_report, render_table
 from hostdev.reset import ResetStatus, reset_function
 from hostdev.scan import read_reset_methods, refresh_host, scan_host
-from hostdev.simhost import CLASS_3D, NVIDIA, FunctionSpec, HostSpec
+from hostdev.simhost import CLASS_3D, NVIDIA, BuildHost, FunctionSpec, HostSpec
 from sysfs_simulator import KernelSimulator, hold
 
 GPU = "0000:18:00.0"

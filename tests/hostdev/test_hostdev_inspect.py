@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import BuildHost
-from hostdev.simhost import HostSpec
+from hostdev.simhost import BuildHost, HostSpec
 from kubevirt_iommufd.cli import main
 
 ScenarioRoot = Callable[[str], Path]

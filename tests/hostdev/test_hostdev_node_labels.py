@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import BuildHost
 from hostdev.config import DeviceMode, default_config
 from hostdev.model import HostCapabilities
 from hostdev.node_labels import (
@@ -20,7 +19,7 @@ from hostdev.node_labels import (
 )
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
-from hostdev.simhost import SCENARIOS, unbind_driver
+from hostdev.simhost import SCENARIOS, BuildHost, unbind_driver
 
 # Kubernetes' own rules (apimachinery IsQualifiedName, IsValidLabelValue), written out here
 # rather than taken from the module under test.

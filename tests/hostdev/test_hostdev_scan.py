@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BuildHost
 from hostdev.bdf import Bdf
 from hostdev.errors import HostReadError, RootNotFound
 from hostdev.model import GroupMember
@@ -16,6 +15,7 @@ from hostdev.scan import read_function, refresh_host, scan_host
 from hostdev.simhost import (
     CLASS_3D,
     NVIDIA,
+    BuildHost,
     FunctionSpec,
     HostSpec,
     bind_driver,
