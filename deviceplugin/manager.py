@@ -34,15 +34,14 @@ from deviceplugin.registration import (
 from deviceplugin.resetter import DevicesAllocated, ResetCoordinator, ResetFinished
 from deviceplugin.servicer import Handoff, IommufdServicer, VfioServicer
 from deviceplugin.watch import (
-    DevicesChanged,
     FilesystemWatch,
     KubeletStarted,
     SocketRemoved,
-    UdevWatch,
     WatchEvent,
 )
 from hostdev.bdf import Bdf
 from hostdev.config import PluginConfig
+from hostdev.device_events import DevicesChanged, UdevWatch
 from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host

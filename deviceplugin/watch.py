@@ -14,18 +14,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from inotify_simple import INotify, flags
 
 from deviceplugin.registration import KUBELET_SOCKET
 from hostdev.bdf import Bdf, is_bdf
+from hostdev.device_events import POLL_MS, DevicesChanged
 
 log = logging.getLogger(__name__)
 
 _CHANGES = flags.CREATE | flags.DELETE | flags.MOVED_TO | flags.MOVED_FROM
 _APPEARS = flags.CREATE | flags.MOVED_TO
-_POLL_MS = 250
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,16 +35,6 @@ class KubeletStarted:
 @dataclass(frozen=True, slots=True)
 class SocketRemoved:
     name: str
-
-
-@dataclass(frozen=True, slots=True)
-class DevicesChanged:
-    """Something about devices changed: the named functions need reading again (none named:
-    only which /dev nodes exist), or everything when `rescan`."""
-
-    bdfs: frozenset[Bdf]
-    reason: str
-    rescan: bool = False
 
 
 WatchEvent = KubeletStarted | SocketRemoved | DevicesChanged
@@ -107,7 +96,7 @@ class FilesystemWatch:
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                events = self._inotify.read(timeout=_POLL_MS)
+                events = self._inotify.read(timeout=POLL_MS)
             except OSError as error:
                 log.error("inotify read failed error=%r; relying on periodic re-scans", str(error))
                 return
@@ -154,46 +143,3 @@ class FilesystemWatch:
             action = "bound to" if appeared else "unbound from"
             return DevicesChanged(frozenset({Bdf.parse(name)}), f"{name} {action} {directory.name}")
         return None
-
-
-class UdevWatch:
-    """Kernel uevents for PCI devices (bind, unbind, add, remove) from netlink, on a real node."""
-
-    def __init__(self, emit: Emit) -> None:
-        self._emit = emit
-        self._monitor: Any = None
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="udev-watch", daemon=True)
-
-    def start(self) -> bool:
-        """False when this process cannot listen to uevents (no netlink in its network
-        namespace): inotify and re-scans carry on without it."""
-        try:
-            import pyudev
-
-            self._monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="kernel")
-            self._monitor.start()
-        except (ImportError, OSError, ValueError) as error:
-            log.info(
-                "udev monitor unavailable error=%r; relying on inotify and re-scans", str(error)
-            )
-            return False
-        self._thread.start()
-        return True
-
-    def stop(self) -> None:
-        self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            device = self._monitor.poll(timeout=_POLL_MS / 1000)
-            if device is None or device.subsystem != "pci" or not is_bdf(device.sys_name):
-                continue
-            action = device.action or "change"
-            self._emit(
-                DevicesChanged(
-                    frozenset({Bdf.parse(device.sys_name)}), f"{device.sys_name} {action}"
-                )
-            )

@@ -82,7 +82,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=5.0,
         metavar="SECONDS",
-        help="how often the whole host is read again (default: 5)",
+        help="how often the whole host is read again; on a node (--root /) kernel uevents"
+        " also trigger a re-read of the devices they name (default: 5)",
     )
     dra.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     dra.set_defaults(run=run)
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         cdi_dir=args.cdi_dir,
         state_dir=args.state_dir,
         rescan_interval=args.rescan_interval,
+        watch_udev=args.root == Path("/"),
     )
     stopping = threading.Event()
 

@@ -1,14 +1,16 @@
 """The running DRA driver: the host's devices, the slices that publish them, the kubelet's sockets
 and the preparer behind them, started and stopped together.
 
-The host is read once at start, re-read every `rescan_interval` seconds, and the claimed
-functions are read again whenever a claim is prepared, so a claim never gets a device on the
-strength of an old reading.
+The host is read once at start. On a node, kernel uevents (bind, unbind, hot-plug) make the
+named functions be read again at once; the whole host is re-read every `rescan_interval`
+seconds for anything else, and the claimed functions are read again whenever a claim is
+prepared, so a claim never gets a device on the strength of an old reading.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from dra.servicer import DraServicerV1, DraServicerV1beta1
 from dra.state import ClaimStore
 from hostdev.bdf import Bdf
 from hostdev.config import PluginConfig
+from hostdev.device_events import DevicesChanged, UdevWatch
 from hostdev.errors import HostdevError
 from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
@@ -40,6 +43,7 @@ class DriverSettings:
     cdi_dir: Path
     state_dir: Path
     rescan_interval: float = 5.0
+    watch_udev: bool = False
 
 
 class DraDriver:
@@ -70,7 +74,8 @@ class DraDriver:
             DraServicerV1(self.preparer),
             DraServicerV1beta1(self.preparer),
         )
-        self._stop = threading.Event()
+        self._events: queue.SimpleQueue[DevicesChanged | None] = queue.SimpleQueue()
+        self._udev = UdevWatch(self._events.put) if settings.watch_udev else None
         self._rescanner = threading.Thread(target=self._rescan_loop, name="dra-rescan", daemon=True)
 
     @property
@@ -83,6 +88,8 @@ class DraDriver:
         self.sockets.start()
         self.publisher.start()
         self._rescanner.start()
+        if self._udev is not None:
+            self._udev.start()
         log.info(
             "driver %s serving on %s for node %s (%d devices, %d prepared claims)",
             self.settings.driver,
@@ -93,17 +100,25 @@ class DraDriver:
         )
 
     def stop(self) -> None:
-        self._stop.set()
+        if self._udev is not None:
+            self._udev.stop()
+        self._events.put(None)
         self.sockets.stop()
         self.publisher.stop()
         if self._rescanner.is_alive():
             self._rescanner.join()
 
-    def rescan(self) -> None:
-        """Read the whole host again and publish what changed."""
-        inventory = scan_host(self.settings.root)
+    def rescan(self, changed: frozenset[Bdf] | None = None) -> None:
+        """Read the `changed` functions (with their groups), or the whole host, again and
+        publish what changed."""
         with self._host_lock:
-            self._inventory = inventory
+            if changed is None:
+                self._inventory = scan_host(self.settings.root)
+            else:
+                self._inventory = refresh_host(
+                    self.settings.root, self._inventory, _with_groups(self._inventory, changed)
+                )
+            inventory = self._inventory
         self.publisher.update(self._devices(inventory))
 
     def _devices(self, inventory: HostInventory) -> tuple[DraDevice, ...]:
@@ -112,14 +127,9 @@ class DraDriver:
     def _judge(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
         wanted = set(bdfs)
         with self._host_lock:
-            previous = self._inventory
-            # The whole group of each function: a member bound elsewhere makes it not viable.
-            changed = set(wanted)
-            for bdf in wanted:
-                function = previous.function(bdf)
-                group = previous.group_of(function) if function else None
-                changed |= {m.bdf for m in group.members if m.bdf} if group else set()
-            inventory = refresh_host(self.settings.root, previous, changed)
+            inventory = refresh_host(
+                self.settings.root, self._inventory, _with_groups(self._inventory, wanted)
+            )
             self._inventory = inventory
         judged: dict[Bdf, DraDevice | str] = {}
         for bdf in wanted:
@@ -132,8 +142,36 @@ class DraDriver:
         return judged
 
     def _rescan_loop(self) -> None:
-        while not self._stop.wait(self.settings.rescan_interval):
+        while True:
             try:
-                self.rescan()
+                event = self._events.get(timeout=self.settings.rescan_interval)
+            except queue.Empty:
+                event = DevicesChanged(frozenset(), "periodic re-scan", rescan=True)
+            if event is None:
+                return
+            changed: set[Bdf] | None = None if event.rescan or not event.bdfs else set(event.bdfs)
+            # Take what else is queued: a bind is a burst of uevents.
+            while changed is not None:
+                try:
+                    more = self._events.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    return
+                changed = None if more.rescan or not more.bdfs else changed | more.bdfs
+            try:
+                self.rescan(None if changed is None else frozenset(changed))
             except HostdevError as error:
-                log.error("re-scan failed: %s", error)
+                log.error("re-reading the host failed: %s", error)
+
+
+def _with_groups(inventory: HostInventory, bdfs: Iterable[Bdf]) -> set[Bdf]:
+    """The functions and every member of their IOMMU groups: one member bound elsewhere makes
+    the whole group not viable."""
+    wanted = set(bdfs)
+    for bdf in list(wanted):
+        function = inventory.function(bdf)
+        group = inventory.group_of(function) if function else None
+        if group is not None:
+            wanted |= {m.bdf for m in group.members if m.bdf is not None}
+    return wanted

@@ -8,6 +8,7 @@ other than ASCII letters, digits and `_` dropped; a device id missing from pci.i
 
 from __future__ import annotations
 
+import functools
 import re
 
 NVIDIA_DOMAIN = "nvidia.com"
@@ -16,6 +17,9 @@ _GO_WHITESPACE = re.compile(r"[\t\n\f\r ]+")
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_.]+")
 
 
+# Pure and asked once per function of a node that holds few kinds of device: 4,096 functions
+# would otherwise spend most of a re-scan upper-casing the same few names.
+@functools.lru_cache(maxsize=1024)
 def nvidia_device_name(pci_ids_name: str | None, device_id: int) -> str:
     """The name part of NVIDIA's resource name for a device id."""
     if not pci_ids_name or not pci_ids_name.strip():

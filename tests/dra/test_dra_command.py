@@ -1,0 +1,100 @@
+"""`kubevirt-iommufd dra` as a process: registers, publishes, prepares, stops cleanly on SIGTERM;
+refuses bad arguments with one line naming the fix."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dra_testkit import DRIVER, NODE, short_directory
+from kubevirt_iommufd.apiserver_standin import ApiServerStandIn
+from kubevirt_iommufd.dra_kubelet_standin import DRAKubeletStandIn
+
+ScenarioRoot = Callable[[str], Path]
+
+
+def dra(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kubevirt_iommufd", "dra", *args]
+
+
+def test_runs_registers_publishes_and_stops_on_sigterm(
+    scenario_root: ScenarioRoot, apiserver: ApiServerStandIn, tmp_path: Path
+) -> None:
+    apiserver.put_node(NODE)
+    kubeconfig = apiserver.write_kubeconfig(tmp_path / "kubeconfig")
+    root = scenario_root("hgx-h100")
+    with short_directory() as base:
+        kubelet_dir = base / "kubelet"
+        process = subprocess.Popen(
+            dra(
+                "--node-name", NODE,
+                "--root", str(root),
+                "--kubelet-dir", str(kubelet_dir),
+                "--cdi-dir", str(base / "cdi"),
+                "--state-dir", str(base / "state"),
+                "--kubeconfig", str(kubeconfig),
+            ),
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            with DRAKubeletStandIn(kubelet_dir, info_poll_interval=None) as kubelet:
+                registration = kubelet.wait_registered(DRIVER, timeout=20)
+                assert registration.service == "v1.DRAPlugin"
+                assert apiserver.wait_until(
+                    lambda: sum(len(s["spec"]["devices"]) for s in apiserver.slices(NODE)) == 8,
+                    timeout=20,
+                )
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=20)
+        finally:
+            process.kill()
+        assert process.returncode == 0, stderr
+        assert "stopping signal=SIGTERM" in stderr
+        assert not list((kubelet_dir / "plugins_registry").iterdir())
+        assert not (kubelet_dir / "plugins" / DRIVER / "dra.sock").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--node-name", "Node_A"], "--node-name 'Node_A': expected a node name"),
+        (["--node-name", "a", "--driver-name", "x" * 64], "at most 63 characters"),
+        (["--node-name", "a", "--root", "/nonexistent"], "--root /nonexistent is not a directory"),
+        (["--node-name", "a", "--rescan-interval", "0"], "--rescan-interval 0.0"),
+        (["--node-name", "a", "--kubeconfig", "/nonexistent"], "pass --kubeconfig"),
+    ],
+    ids=["node-name", "driver-name", "root", "rescan", "kubeconfig"],
+)
+def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    done = subprocess.run(
+        dra(*args, "--state-dir", str(tmp_path / "state")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "resources:\n  - resourceName: example.com/x\n    selectors: {vendors: [nvidia]}\n"
+    )
+    done = subprocess.run(
+        dra("--node-name", "a", "--config", str(config), "--root", str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "resources[0].selectors.vendors[0]" in done.stderr

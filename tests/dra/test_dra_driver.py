@@ -1,0 +1,195 @@
+"""The whole driver on a simulated node: the real `kubernetes` client against the API server
+stand-in (every object schema-checked), the kubelet stand-in over real gRPC."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import kubernetes.client
+import pytest
+
+from dra.api import ResourceApi
+from dra.driver import DraDriver, DriverSettings
+from dra_testkit import DRIVER, NODE, short_directory
+from hostdev.config import default_config
+from hostdev.pciids import PciIds
+from hostdev.simhost import HostSpec, scale, unbind_driver
+from kubevirt_iommufd.apiserver_standin import (
+    AllocatedDevice,
+    ApiServerStandIn,
+    build_resource_claim,
+)
+from kubevirt_iommufd.dra_kubelet_standin import Claim, DRAKubeletStandIn
+
+ScenarioRoot = Callable[[str], Path]
+
+
+@dataclass
+class Running:
+    driver: DraDriver
+    apiserver: ApiServerStandIn
+    kubelet: DRAKubeletStandIn
+    root: Path
+    settings: DriverSettings
+
+
+def start_driver(
+    root: Path, base: Path, apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient
+) -> DraDriver:
+    settings = DriverSettings(
+        node=NODE,
+        driver=DRIVER,
+        root=root,
+        kubelet_dir=base / "kubelet",
+        cdi_dir=base / "cdi",
+        state_dir=base / "state",
+        rescan_interval=0.2,
+    )
+    driver = DraDriver(settings, default_config(), PciIds(None), ResourceApi(api_client))
+    driver.start()
+    return driver
+
+
+@pytest.fixture
+def running(
+    scenario_root: ScenarioRoot,
+    apiserver: ApiServerStandIn,
+    api_client: kubernetes.client.ApiClient,
+) -> Iterator[Running]:
+    apiserver.put_node(NODE)
+    root = scenario_root("hgx-h100")
+    with short_directory() as base:
+        driver = start_driver(root, base, apiserver, api_client)
+        with DRAKubeletStandIn(base / "kubelet", info_poll_interval=None) as kubelet:
+            kubelet.wait_registered(DRIVER)
+            try:
+                yield Running(driver, apiserver, kubelet, root, driver.settings)
+            finally:
+                driver.stop()
+
+
+def published(apiserver: ApiServerStandIn) -> dict[str, dict[str, object]]:
+    """Devices of the newest complete pool generation, by name."""
+    slices = apiserver.slices(NODE, DRIVER)
+    if not slices:
+        return {}
+    generation = max(s["spec"]["pool"]["generation"] for s in slices)
+    newest = [s for s in slices if s["spec"]["pool"]["generation"] == generation]
+    if len(newest) != newest[0]["spec"]["pool"]["resourceSliceCount"]:
+        return {}
+    return {d["name"]: d for s in newest for d in s["spec"]["devices"]}
+
+
+def test_slices_are_published_owned_by_the_node(running: Running) -> None:
+    assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 8)
+    (item,) = running.apiserver.slices(NODE, DRIVER)
+    node = running.apiserver.read("Node", NODE)
+    assert node is not None
+    assert item["metadata"]["ownerReferences"][0]["uid"] == node["metadata"]["uid"]
+    assert item["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
+    assert item["spec"]["nodeName"] == NODE and item["spec"]["driver"] == DRIVER
+
+
+def test_an_unbound_device_leaves_the_slice_and_the_generation_moves(running: Running) -> None:
+    assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 8)
+    unbind_driver(running.root, "0000:2a:00.0")
+    assert running.apiserver.wait_until(
+        lambda: "pci-0000-2a-00-0" not in published(running.apiserver), timeout=5
+    )
+    assert len(published(running.apiserver)) == 7
+    (item,) = running.apiserver.slices(NODE, DRIVER)
+    assert item["spec"]["pool"]["generation"] == 2
+
+
+def test_slices_deleted_by_the_kubelet_come_back_within_seconds(running: Running) -> None:
+    assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 8)
+    assert running.apiserver.delete_slices(NODE) == 1
+    start = time.monotonic()
+    assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 8, timeout=5)
+    assert time.monotonic() - start < 3
+
+
+def test_an_unreachable_api_server_is_retried_while_grpc_keeps_serving(running: Running) -> None:
+    assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 8)
+    running.apiserver.stop()
+    unbind_driver(running.root, "0000:2a:00.0")
+    claim = Claim("vms", "c0ffee00-0000-4000-8000-000000000001", "gpu")
+    answer = running.kubelet.node_prepare_resources([claim])[claim.uid]
+    assert "unreachable" in answer.error and "vms/gpu" in answer.error
+    time.sleep(1.0)
+    running.apiserver.restart()
+    assert running.apiserver.wait_until(
+        lambda: (
+            set(published(running.apiserver))
+            == {f"pci-0000-{bus}-00-0" for bus in ("18", "3a", "5d", "9a", "ab", "ba", "db")}
+        ),
+        timeout=10,
+    )
+
+
+def test_a_claim_is_prepared_through_the_kubelet_and_api(running: Running) -> None:
+    api = running.apiserver
+    api.put_claim(build_resource_claim("vms", "vm-gpu", ["gpu"], DRIVER))
+    stored = api.set_allocation(
+        "vms", "vm-gpu", [AllocatedDevice("gpu", DRIVER, NODE, "pci-0000-18-00-0")], NODE
+    )
+    claim = Claim("vms", stored["metadata"]["uid"], "vm-gpu")
+    answer = running.kubelet.node_prepare_resources([claim])[claim.uid]
+    assert answer.error == ""
+    assert [d.device_name for d in answer.devices] == ["pci-0000-18-00-0"]
+    spec_path = running.settings.cdi_dir / f"{DRIVER}-claim_{claim.uid}.json"
+    spec = json.loads(spec_path.read_text())
+    assert {d["name"] for d in spec["devices"]} == {
+        f"{claim.uid}-pci-0000-18-00-0",
+        f"{claim.uid}-metadata-gpu",
+    }
+    # The same device for a second claim is refused, naming the first.
+    api.put_claim(build_resource_claim("vms", "other", ["gpu"], DRIVER))
+    other = api.set_allocation(
+        "vms", "other", [AllocatedDevice("gpu", DRIVER, NODE, "pci-0000-18-00-0")], NODE
+    )
+    refused = running.kubelet.node_prepare_resources(
+        [Claim("vms", other["metadata"]["uid"], "other")]
+    )
+    assert "already prepared for claim vms/vm-gpu" in refused[other["metadata"]["uid"]].error
+    assert running.kubelet.node_unprepare_resources([claim]) == {claim.uid: ""}
+    assert not spec_path.exists()
+
+
+def test_a_node_of_300_functions_is_split_into_full_slices(
+    build_host: Callable[[HostSpec], Path],
+    apiserver: ApiServerStandIn,
+    api_client: kubernetes.client.ApiClient,
+) -> None:
+    apiserver.put_node(NODE)
+    # Publication of 4,096 functions is measured in bench/dra.py; 300 splits into 3 slices.
+    root = build_host(scale(300))
+    with short_directory() as base:
+        driver = start_driver(root, base, apiserver, api_client)
+        try:
+            count = len(driver.devices)
+            assert count > 128
+            assert apiserver.wait_until(lambda: len(published(apiserver)) == count, timeout=30)
+            slices = apiserver.slices(NODE, DRIVER)
+            assert len(slices) == -(-count // 128) == 3
+            assert all(len(s["spec"]["devices"]) <= 128 for s in slices)
+        finally:
+            driver.stop()
+
+
+def test_an_update_that_meets_a_conflict_is_planned_again(running: Running) -> None:
+    assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 8)
+    running.apiserver.conflict_next_update(2)
+    unbind_driver(running.root, "0000:2a:00.0")
+    assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 7, timeout=5)
+    # The request log is written after the answer is sent: wait for it too.
+    assert running.apiserver.wait_until(
+        lambda: (
+            [(r.method, r.status) for r in running.apiserver.requests if r.method == "PUT"]
+            == [("PUT", 409), ("PUT", 409), ("PUT", 200)]
+        )
+    )
