@@ -511,41 +511,40 @@ class _Handler(BaseHTTPRequestHandler):
         query = {k: v[-1] for k, v in parse_qs(split.query, keep_blank_values=True).items()}
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         body: Object | None = None
-        status = 0
+        watch: _Watch | None = None
+        headers: dict[str, str] = {}
         try:
-            body = json.loads(raw) if raw else None
-            if body is not None and not isinstance(body, dict):
-                raise ApiError(build_status(400, "the request body must be a JSON object"))
+            body = _parse_body(raw)
             failure = standin._take_failure(method, split.path)
             if failure is not None:
                 status = failure.status
-                message = f"the API server stand-in was told to answer {status}"
-                headers = {}
+                answer = build_status(
+                    status, f"the API server stand-in was told to answer {status}"
+                )
                 if failure.retry_after is not None:
                     headers["Retry-After"] = str(failure.retry_after)
-                self._send_json(status, build_status(status, message), headers)
-                return
-            if self.headers.get("Authorization") != f"Bearer {standin.token}":
-                raise ApiError(build_status(401, "Unauthorized"))
-            route = _route(split.path)
-            if route is None:
-                raise ApiError(build_status(404, NO_RESOURCE, details={}))
-            if method == "GET" and route.name is None and query.get("watch") in ("true", "1"):
-                status = 200
-                self._watch(route, query)
-                return
-            status, answer = self._dispatch(method, route, query, body)
-            self._send_json(status, answer)
-        except json.JSONDecodeError as e:
-            status = 400
-            self._send_json(status, build_status(400, f"the request body is not JSON: {e}"))
+            else:
+                if self.headers.get("Authorization") != f"Bearer {standin.token}":
+                    raise ApiError(build_status(401, "Unauthorized"))
+                route = _route(split.path)
+                if route is None:
+                    raise ApiError(build_status(404, NO_RESOURCE, details={}))
+                if method == "GET" and route.name is None and query.get("watch") in ("true", "1"):
+                    watch = _plan_watch(route, query, standin.watch_timeout)
+                    status, answer = 200, {}
+                else:
+                    status, answer = self._dispatch(method, route, query, body)
         except ApiError as e:
-            status = e.code
-            self._send_json(status, e.status)
+            status, answer = e.code, e.status
+        # Logged before answering, so the log has a request once its client has the answer.
+        standin._record(LoggedRequest(method, split.path, query, body, status))
+        try:
+            if watch is not None:
+                self._watch(watch)
+            else:
+                self._send_json(status, answer, headers)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        finally:
-            standin._record(LoggedRequest(method, split.path, query, body, status))
 
     def _dispatch(
         self, method: str, route: _Route, query: dict[str, str], body: Object | None
@@ -587,13 +586,9 @@ class _Handler(BaseHTTPRequestHandler):
             build_status(405, "the server does not allow this method on the requested resource")
         )
 
-    def _watch(self, route: _Route, query: dict[str, str]) -> None:
-        store, kind = self.server.standin.store, route.kind
-        selection = _selection(route, query)
-        timeout = float(query.get("timeoutSeconds") or self.server.standin.watch_timeout)
-        bookmarks = query.get("allowWatchBookmarks") in ("true", "1")
-        requested = query.get("resourceVersion", "")
-        cursor = 0 if requested in ("", "0") else _integer(requested, "resourceVersion")
+    def _watch(self, watch: _Watch) -> None:
+        store, kind, selection = self.server.standin.store, watch.kind, watch.selection
+        cursor, bookmarks = watch.resource_version, watch.bookmarks
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
@@ -604,7 +599,7 @@ class _Handler(BaseHTTPRequestHandler):
             for item in listed["items"]:
                 self._chunk({"type": "ADDED", "object": _with_type(kind, item)})
             cursor = int(listed["metadata"]["resourceVersion"])
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + watch.timeout
         next_bookmark = time.monotonic() + self.server.standin.bookmark_interval
         while not self.server.stopping.is_set():
             try:
@@ -644,6 +639,39 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
         self.wfile.flush()
+
+
+@dataclass(frozen=True, slots=True)
+class _Watch:
+    kind: Kind
+    selection: Selection
+    resource_version: int  # 0: from now, after the current objects as ADDED events
+    timeout: float
+    bookmarks: bool
+
+
+def _plan_watch(route: _Route, query: dict[str, str], default_timeout: float) -> _Watch:
+    requested = query.get("resourceVersion", "")
+    timeout = query.get("timeoutSeconds")
+    return _Watch(
+        route.kind,
+        _selection(route, query),
+        0 if requested in ("", "0") else _integer(requested, "resourceVersion"),
+        default_timeout if not timeout else _integer(timeout, "timeoutSeconds"),
+        query.get("allowWatchBookmarks") in ("true", "1"),
+    )
+
+
+def _parse_body(raw: bytes) -> Object | None:
+    if not raw:
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ApiError(build_status(400, f"the request body is not JSON: {e}")) from None
+    if not isinstance(body, dict):
+        raise ApiError(build_status(400, "the request body must be a JSON object"))
+    return body
 
 
 def _as_seen(event: Event, selection: Selection) -> tuple[str, Object] | None:
