@@ -12,6 +12,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from hostdev.config import ConfigError, PluginConfig, default_config, load_config
+from hostdev.label_publisher import add_label_arguments, build_label_publisher, feature_file_path
 from hostdev.pciids import PciIds
 
 if TYPE_CHECKING:
@@ -29,7 +30,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Advertise VFIO PCI devices to the kubelet (one resource per device type, device"
             " ID = PCI address) with their cdevs and group nodes, and the"
             " devices.kubevirt.io/iommufd resource that hands launchers a prepared iommufd fd."
-            " Runs until SIGTERM or SIGINT, then removes its sockets and exits 0."
+            " Publishes the node's kubevirt-iommufd.io/ labels in a Node Feature Discovery"
+            " feature file. Runs until SIGTERM or SIGINT, then removes its sockets and feature"
+            " file and exits 0."
         ),
     )
     plugin.add_argument("--config", type=Path, metavar="FILE", help="YAML or JSON config")
@@ -58,6 +61,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="PORT",
         help="serve Prometheus metrics on this port (default: off)",
     )
+    add_label_arguments(plugin, "plugin")
     plugin.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -92,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     names = PciIds(config.pci_ids) if config.pci_ids else PciIds.find()
+    labels = build_label_publisher(
+        feature_file_path(args.feature_file, config, args.root, "plugin"), "plugin"
+    )
     manager = PluginManager(
         config,
         args.root,
@@ -100,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         metrics,
         handoff,
         watch_udev=args.root == Path("/"),
+        labels=labels,
     )
 
     def on_signal(number: int, frame: FrameType | None) -> None:

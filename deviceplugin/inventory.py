@@ -88,6 +88,13 @@ class DeviceTree:
         """Resource name of every advertised function."""
         return {d.bdf: r.name for r in self.resources.values() for d in r.devices.values()}
 
+    def iommufd_counts(self) -> dict[str, int]:
+        """Per resource, how many devices Allocate hands out over iommufd (with /dev/iommu)."""
+        return {
+            r.name: sum(IOMMU_NODE in d.device_nodes for d in r.devices.values())
+            for r in self.resources.values()
+        }
+
 
 def build_device_tree(
     inventory: HostInventory,

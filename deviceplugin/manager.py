@@ -42,7 +42,9 @@ from deviceplugin.watch import (
 from hostdev.bdf import Bdf
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
+from hostdev.label_publisher import LabelPublisher
 from hostdev.model import HostInventory
+from hostdev.node_labels import build_node_labels
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
 from hostdev.sysfs_write import KernelSysfs, SysfsWriter
@@ -90,8 +92,10 @@ class PluginManager:
         *,
         watch_udev: bool = False,
         sysfs_writer: SysfsWriter | None = None,
+        labels: LabelPublisher | None = None,
     ) -> None:
         self._config = config
+        self._labels = labels
         self._root = root
         self._kubelet_dir = kubelet_dir
         self._names = names
@@ -193,6 +197,8 @@ class PluginManager:
             server.stop(grace=0.1)
             self._close_servicer(resource)
         self._servers.clear()
+        if self._labels is not None:
+            self._labels.close()
 
     def _loop(self) -> None:
         next_rescan = time.monotonic() + self._config.rescan_interval_seconds
@@ -362,6 +368,14 @@ class PluginManager:
                 cause,
             )
             self._count_iommufd()
+        self._publish_labels()
+
+    def _publish_labels(self) -> None:
+        """The node labels follow the scanned tree (a device awaiting its reset still counts:
+        the labels say what the node offers, the kubelet's capacity what is free)."""
+        if self._labels is not None and self._inventory is not None:
+            counts = self._scanned.iommufd_counts()
+            self._labels.publish(build_node_labels(self._inventory.capabilities, counts))
 
     def _count_iommufd(self) -> None:
         if self._iommufd is not None:

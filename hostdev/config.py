@@ -28,6 +28,9 @@ ANY_VFIO_DRIVER = "vfio"
 IOMMUFD_RESOURCE = "devices.kubevirt.io/iommufd"
 KUBEVIRT_QEMU_ID = 107
 POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+# Node Feature Discovery's local feature source reads this directory (its default deployments
+# mount it into nfd-worker).
+NFD_FEATURES_DIR = Path("/etc/kubernetes/node-feature-discovery/features.d")
 _RESOURCE_NAME = re.compile(
     r"(?=.{1,253}/)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
     r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
@@ -103,6 +106,14 @@ class PodResourcesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeLabelsConfig:
+    """Where the node's `kubevirt-iommufd.io/` labels go besides the Node itself (`--label-node`):
+    a Node Feature Discovery feature file in `features_dir`, or none (None)."""
+
+    features_dir: Path | None = NFD_FEATURES_DIR
+
+
+@dataclass(frozen=True, slots=True)
 class PluginConfig:
     resources: tuple[ResourceConfig, ...]
     device_mode: DeviceMode = DeviceMode.BOTH
@@ -110,6 +121,7 @@ class PluginConfig:
     rescan_interval_seconds: float = 30.0
     pci_ids: Path | None = None
     pod_resources: PodResourcesConfig = field(default_factory=PodResourcesConfig)
+    node_labels: NodeLabelsConfig = field(default_factory=NodeLabelsConfig)
 
     @property
     def resets_after_use(self) -> bool:
@@ -147,7 +159,15 @@ def parse_config(data: object) -> PluginConfig:
     _known_keys(
         top,
         "",
-        {"resources", "deviceMode", "iommufd", "rescanIntervalSeconds", "pciIds", "podResources"},
+        {
+            "resources",
+            "deviceMode",
+            "iommufd",
+            "rescanIntervalSeconds",
+            "pciIds",
+            "podResources",
+            "nodeLabels",
+        },
     )
     resources = (
         tuple(
@@ -181,7 +201,22 @@ def parse_config(data: object) -> PluginConfig:
         rescan_interval_seconds=interval,
         pci_ids=None if pci_ids is None else Path(_string(pci_ids, "pciIds")),
         pod_resources=_pod_resources(top.get("podResources", {}), "podResources"),
+        node_labels=_node_labels(top.get("nodeLabels", {}), "nodeLabels"),
     )
+
+
+def _node_labels(data: object, key: str) -> NodeLabelsConfig:
+    item = _mapping(data, key)
+    _known_keys(item, key, {"featuresDir"})
+    text = _string(item.get("featuresDir", str(NFD_FEATURES_DIR)), f"{key}.featuresDir")
+    if text == "none":
+        return NodeLabelsConfig(features_dir=None)
+    if not text.startswith("/"):
+        raise ConfigError(
+            f"{key}.featuresDir: expected an absolute directory (NFD's is {NFD_FEATURES_DIR})"
+            f" or none, got {text!r}"
+        )
+    return NodeLabelsConfig(features_dir=Path(text))
 
 
 def _pod_resources(data: object, key: str) -> PodResourcesConfig:

@@ -15,6 +15,7 @@ from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
 from hostdev.config import PluginConfig, default_config
+from hostdev.label_publisher import LabelPublisher
 from hostdev.pciids import PciIds
 from hostdev.simhost import SCENARIOS, BuildHost
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn
@@ -63,6 +64,7 @@ def plugin_starter(
         *,
         kubelet_first: bool = True,
         expiry_seconds: float = 15 * 60.0,
+        labels: LabelPublisher | None = None,
     ) -> Plugin:
         root = build_host(SCENARIOS[scenario]())
         kubelet = KubeletStandIn(short_dir / "kubelet")
@@ -81,7 +83,13 @@ def plugin_starter(
         )
         metrics.watch_handoffs(handoff.stats)
         manager = PluginManager(
-            config or default_config(), root, short_dir / "kubelet", PciIds(names), metrics, handoff
+            config or default_config(),
+            root,
+            short_dir / "kubelet",
+            PciIds(names),
+            metrics,
+            handoff,
+            labels=labels,
         )
         manager.start()
         thread = threading.Thread(target=manager.run, daemon=True)

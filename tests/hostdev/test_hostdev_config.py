@@ -103,10 +103,25 @@ def test_default_is_nvidia_gpus_and_nvswitches_on_vfio() -> None:
 
 
 @pytest.mark.parametrize(
+    ("document", "features_dir"),
+    [
+        ({}, Path("/etc/kubernetes/node-feature-discovery/features.d")),
+        ({"nodeLabels": {"featuresDir": "/run/nfd/features.d"}}, Path("/run/nfd/features.d")),
+        ({"nodeLabels": {"featuresDir": "none"}}, None),
+    ],
+)
+def test_node_labels_features_dir(document: object, features_dir: Path | None) -> None:
+    assert parse_config(document).node_labels.features_dir == features_dir
+
+
+@pytest.mark.parametrize(
     ("document", "message"),
     [
         ([], "the document: expected a mapping, got list []"),
-        ({"resource": []}, "resource: unknown key; expected one of deviceMode, iommufd, pciIds,"),
+        (
+            {"resource": []},
+            "resource: unknown key; expected one of deviceMode, iommufd, nodeLabels, pciIds,",
+        ),
         ({"resources": {}}, "resources: expected a list, got dict {}"),
         (
             {"resources": [{"selectors": {"vendors": ["10de"]}}]},
@@ -182,6 +197,12 @@ def test_default_is_nvidia_gpus_and_nvswitches_on_vfio() -> None:
             {"iommufd": {"resourceName": "kubernetes.io/iommu"}},
             "iommufd.resourceName: 'kubernetes.io/iommu' is in a namespace Kubernetes reserves",
         ),
+        (
+            {"nodeLabels": {"featuresDir": "features.d"}},
+            "nodeLabels.featuresDir: expected an absolute directory",
+        ),
+        ({"nodeLabels": {"featuresDir": False}}, "nodeLabels.featuresDir: expected a non-empty"),
+        ({"nodeLabels": {"featureFile": "/x"}}, "nodeLabels.featureFile: unknown key"),
     ],
 )
 def test_bad_config_names_the_key(document: object, message: str) -> None:

@@ -120,9 +120,13 @@ def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
         "/dev",
         "/sys",
         "/var/run/kubevirt-iommufd",
+        "/etc/kubernetes/node-feature-discovery/features.d",
         "/",
     }
     mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    # nfd-worker reads the feature file from the host path the plugin writes it to.
+    assert mounts["nfd-features"]["mountPath"] == host_paths["nfd-features"]
+    assert not mounts["nfd-features"].get("readOnly")
     assert mounts["dev"]["readOnly"] and mounts["pod-resources"]["readOnly"]
     # Only the init container that binds reserved devices sees the host's root, read-only.
     assert "host" not in mounts
@@ -146,6 +150,7 @@ def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
     )
     parsed = yaml.safe_load(plugin_config["data"]["plugin.yaml"])
     assert parsed["iommufd"]["socketDir"] == handoff
+    assert parsed["nodeLabels"]["featuresDir"] == host_paths["nfd-features"]
     assert "--from-config=/etc/kubevirt-iommufd/reservations.yaml" in reserve["args"]
     assert "reservations.yaml" in plugin_config["data"]
     assert spec["containers"][0]["livenessProbe"]["httpGet"]["port"] == "metrics"

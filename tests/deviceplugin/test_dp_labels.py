@@ -1,0 +1,181 @@
+"""The device plugin's node labels in its NFD feature file, kept current on a simulated node."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import BuildHost
+from hostdev.config import DeviceMode, NodeLabelsConfig, default_config
+from hostdev.feature_file import FeatureFile
+from hostdev.label_publisher import LabelPublisher, feature_file_path
+from hostdev.simhost import unbind_driver
+from plugin_harness import H100, Plugin, plugin_starter, short_directory
+
+GPUS = [
+    "0000:18:00.0",
+    "0000:2a:00.0",
+    "0000:3a:00.0",
+    "0000:5d:00.0",
+    "0000:9a:00.0",
+    "0000:ab:00.0",
+    "0000:ba:00.0",
+    "0000:db:00.0",
+]
+COUNT = "kubevirt-iommufd.io/iommufd-devices.nvidia.com_GH100H100_SXM5_80GB"
+# Well under the 30 s periodic re-scan: a change seen this fast came from the watch.
+EVENT_LATENCY = 5.0
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    with short_directory("kl-") as path:
+        yield path
+
+
+@pytest.fixture
+def start_plugin(
+    build_host: BuildHost, short_dir: Path, tmp_path: Path
+) -> Iterator[Callable[..., Plugin]]:
+    with plugin_starter(build_host, short_dir, tmp_path) as start:
+        yield start
+
+
+def read_labels(path: Path) -> dict[str, str] | None:
+    """The file as NFD's local source reads it: `key[=value]` lines, `#` lines skipped."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    labels: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            assert not line.startswith("# +"), "an NFD directive"
+            continue
+        key, _, value = line.partition("=")
+        labels[key] = value or "true"
+    return labels
+
+
+def wait_for(path: Path, predicate: Callable[[dict[str, str] | None], bool]) -> float:
+    """Seconds until the file says what `predicate` wants; fails after EVENT_LATENCY."""
+    started = time.monotonic()
+    while not predicate(read_labels(path)):
+        elapsed = time.monotonic() - started
+        assert elapsed < EVENT_LATENCY, f"the feature file still says {read_labels(path)}"
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+def count_is(count: int) -> Callable[[dict[str, str] | None], bool]:
+    return lambda labels: (labels or {}).get(COUNT) == str(count)
+
+
+def test_feature_file_holds_the_labels_and_goes_on_a_clean_stop(
+    start_plugin: Callable[..., Plugin], tmp_path: Path
+) -> None:
+    path = tmp_path / "features.d" / "kubevirt-iommufd-plugin"
+    plugin = start_plugin(labels=LabelPublisher(FeatureFile(path, "plugin")))
+    plugin.kubelet.wait_registered(H100)
+    assert path.read_text() == (
+        "# kubevirt-iommufd plugin: written on every change, removed when it stops\n"
+        "kubevirt-iommufd.io/iommufd=true\n"
+        "kubevirt-iommufd.io/vfio-cdev=true\n"
+        "kubevirt-iommufd.io/kernel=6.12\n"
+        f"{COUNT}=8\n"
+    )
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    plugin.stop()
+    assert not path.exists()
+
+
+def test_unbinding_the_last_cdev_device_turns_iommufd_false(
+    start_plugin: Callable[..., Plugin], tmp_path: Path
+) -> None:
+    path = tmp_path / "kubevirt-iommufd-plugin"
+    plugin = start_plugin(labels=LabelPublisher(FeatureFile(path, "plugin")))
+    wait_for(path, count_is(8))
+    latencies = []
+    for left, gpu in reversed(list(enumerate(GPUS))):
+        unbind_driver(plugin.root, gpu)
+        latencies.append(wait_for(path, count_is(left)))
+    labels = read_labels(path)
+    assert labels is not None
+    # The GPUs stay advertised (Unhealthy), so the resource keeps its count label, at 0.
+    assert labels["kubevirt-iommufd.io/iommufd"] == "false"
+    assert labels[COUNT] == "0"
+    print(f"label latency per unbind: max {max(latencies) * 1000:.1f} ms")
+
+
+def test_dev_iommu_gone_turns_iommufd_false_and_back(
+    start_plugin: Callable[..., Plugin], tmp_path: Path
+) -> None:
+    path = tmp_path / "kubevirt-iommufd-plugin"
+    plugin = start_plugin(labels=LabelPublisher(FeatureFile(path, "plugin")))
+    wait_for(path, lambda labels: (labels or {}).get("kubevirt-iommufd.io/iommufd") == "true")
+    (plugin.root / "dev/iommu").unlink()
+    wait_for(path, lambda labels: (labels or {}).get("kubevirt-iommufd.io/iommufd") == "false")
+    assert read_labels(path) == {
+        "kubevirt-iommufd.io/iommufd": "false",
+        "kubevirt-iommufd.io/vfio-cdev": "true",
+        "kubevirt-iommufd.io/kernel": "6.12",
+        COUNT: "0",
+    }
+    (plugin.root / "dev/iommu").touch()
+    wait_for(path, count_is(8))
+
+
+def test_legacy_device_mode_offers_no_iommufd(
+    start_plugin: Callable[..., Plugin], tmp_path: Path
+) -> None:
+    path = tmp_path / "kubevirt-iommufd-plugin"
+    config = replace(default_config(), device_mode=DeviceMode.LEGACY)
+    start_plugin(config=config, labels=LabelPublisher(FeatureFile(path, "plugin")))
+    wait_for(path, lambda labels: labels is not None)
+    assert read_labels(path) == {
+        "kubevirt-iommufd.io/iommufd": "false",
+        "kubevirt-iommufd.io/vfio-cdev": "true",
+        "kubevirt-iommufd.io/kernel": "6.12",
+        COUNT: "0",
+    }
+
+
+def test_an_unwritable_feature_file_leaves_the_plugin_serving(
+    start_plugin: Callable[..., Plugin], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    publisher = LabelPublisher(FeatureFile(blocker / "kubevirt-iommufd-plugin", "plugin"))
+    plugin = start_plugin(labels=publisher)
+    plugin.kubelet.wait_registered(H100)
+    assert "cannot write the NFD feature file" in caplog.text
+    unbind_driver(plugin.root, GPUS[0])
+    deadline = time.monotonic() + EVENT_LATENCY
+    while plugin.kubelet.health(H100)[GPUS[0]] != "Unhealthy":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert publisher.labels is not None and publisher.labels[COUNT] == "7"
+
+
+@pytest.mark.parametrize(
+    ("option", "features_dir", "root", "expected"),
+    [
+        (None, Path("/etc/nfd"), Path("/"), Path("/etc/nfd/kubevirt-iommufd-plugin")),
+        (None, None, Path("/"), None),
+        (None, Path("/etc/nfd"), Path("/srv/simulated"), None),
+        ("/run/f", Path("/etc/nfd"), Path("/srv/simulated"), Path("/run/f")),
+        ("none", Path("/etc/nfd"), Path("/"), None),
+    ],
+    ids=["config-dir", "config-none", "simulated-root", "flag-path", "flag-none"],
+)
+def test_which_feature_file(
+    option: str | None, features_dir: Path | None, root: Path, expected: Path | None
+) -> None:
+    config = replace(default_config(), node_labels=NodeLabelsConfig(features_dir))
+    assert feature_file_path(option, config, root, "plugin") == expected
