@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BuildHost
 from hostdev.config import DeviceMode, NodeLabelsConfig, default_config
 from hostdev.feature_file import FeatureFile
 from hostdev.label_publisher import LabelPublisher, feature_file_path
-from hostdev.simhost import unbind_driver
+from hostdev.simhost import BuildHost, unbind_driver
 from plugin_harness import H100, Plugin, plugin_starter, short_directory
 
 GPUS = [
