@@ -11,6 +11,10 @@ and the API server's HTTP client retries a request on a connection closed while 
 every connection is part-way through a request does the one that started its request longest ago
 go, which also ends the slow senders first. A request being answered is never interrupted:
 answers are computed inline, so no connection is "busy" when another arrives.
+
+Requests under way hold their bytes until they are complete (a body may be 1 MiB), so the table
+also bounds the bytes held by all of them together: past `max_buffered`, the requests that
+started longest ago are dropped, never the one whose bytes just came.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ REQUEST_TIMEOUT = 10.0
 # Longer than the API server's idle keep-alive timeout (90 s), so the server does not close a
 # connection the client is about to reuse.
 IDLE_TIMEOUT = 120.0
+# 64 full-size (1 MiB) reviews at once, far more than an API server sends concurrently to one
+# replica (reviews of launcher pods are about 10 KB), and a quarter of the pod's memory limit.
+MAX_BUFFERED = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +46,12 @@ class Limits:
     max_connections: int = MAX_CONNECTIONS
     request_timeout: float = REQUEST_TIMEOUT
     idle_timeout: float = IDLE_TIMEOUT
+    max_buffered: int = MAX_BUFFERED
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be 1 or more, not {self.max_connections}")
+        for name in ("max_connections", "max_buffered"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be 1 or more, not {getattr(self, name)}")
         for name in ("request_timeout", "idle_timeout"):
             value = getattr(self, name)
             if not value > 0:
@@ -57,8 +66,9 @@ class Connection(Protocol):
 class ConnectionTable:
     """The open connections of one listener, each either waiting for a request or reading one.
 
-    Both groups are dicts used as ordered sets: insertion order is the order in which the
-    connections entered their current state, so the first key is the one to evict.
+    Both groups are insertion-ordered dicts: the order is that in which the connections entered
+    their current state, so the first key is the one to evict. A reading connection maps to the
+    bytes of its request received so far.
     """
 
     def __init__(
@@ -68,7 +78,8 @@ class ConnectionTable:
         # Called with why the server closed a connection: evicted, request_timeout, idle_timeout.
         self.count_closed = count_closed
         self._waiting: dict[Connection, None] = {}
-        self._reading: dict[Connection, None] = {}
+        self._reading: dict[Connection, int] = {}
+        self.buffered = 0
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._reading)
@@ -76,27 +87,47 @@ class ConnectionTable:
     def admit(self, connection: Connection) -> None:
         """Add a new connection, evicting one already open if the table is full."""
         if len(self) >= self.limits.max_connections:
-            victim = next(iter(self._waiting or self._reading))
-            self.remove(victim)
-            self.count_closed("evicted")
-            victim.evict()
+            self._evict(next(iter(self._waiting or self._reading)))
         self._waiting[connection] = None
 
     def reading(self, connection: Connection) -> None:
         """The connection has started sending a request."""
         if connection in self._waiting:
             del self._waiting[connection]
-            self._reading[connection] = None
+            self._reading[connection] = 0
+
+    def received(self, connection: Connection, size: int) -> None:
+        """`size` more bytes of the connection's request are held; drop others if over budget."""
+        if connection not in self._reading:
+            return
+        self._reading[connection] += size
+        self.buffered += size
+        while self.buffered > self.limits.max_buffered:
+            victim = next((c for c in self._reading if c is not connection), None)
+            if victim is None:
+                return  # its own size is bounded by the request size limit
+            self._evict(victim)
+
+    def released(self, connection: Connection) -> None:
+        """The connection's request was answered: its bytes are no longer held."""
+        if connection in self._reading:
+            self.buffered -= self._reading[connection]
+            self._reading[connection] = 0
 
     def waiting(self, connection: Connection) -> None:
         """The connection was answered and waits for its next request."""
         if connection in self._reading:
-            del self._reading[connection]
+            self.buffered -= self._reading.pop(connection)
             self._waiting[connection] = None
 
     def remove(self, connection: Connection) -> None:
         self._waiting.pop(connection, None)
-        self._reading.pop(connection, None)
+        self.buffered -= self._reading.pop(connection, 0)
+
+    def _evict(self, victim: Connection) -> None:
+        self.remove(victim)
+        self.count_closed("evicted")
+        victim.evict()
 
     def connections(self) -> list[Connection]:
         return [*self._waiting, *self._reading]

@@ -109,6 +109,7 @@ class HttpProtocol(asyncio.Protocol):
             self._table.reading(self)
             if self._answered:  # a new connection's first deadline runs from its accept
                 self._arm_timer(self._table.limits.request_timeout, "request_timeout")
+        self._table.received(self, len(data))
         self._conn.receive_data(data)
         self._process()
 
@@ -182,6 +183,7 @@ class HttpProtocol(asyncio.Protocol):
             body=b"".join(self._body),
         )
         self._body = []
+        self._table.released(self)
         try:
             response = self._handler(request)
         except Exception:

@@ -15,6 +15,7 @@ import pytest
 
 from webhook.config import Config
 from webhook.connections import Limits
+from webhook.http_protocol import MAX_BODY
 from webhook_testkit import (
     RunningServer,
     Tls,
@@ -237,8 +238,37 @@ def test_a_keep_alive_connection_used_again_gets_a_fresh_idle_timeout(tls: Tls) 
         {"max_connections": 0},
         {"request_timeout": 0},
         {"idle_timeout": -1},
+        {"max_buffered": 0},
     ],
 )
 def test_limits_refuse_values_that_would_disable_them(limits: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be"):
         Limits(**limits)  # type: ignore[arg-type]
+
+
+def buffered(server: RunningServer) -> int:
+    async def count() -> int:
+        return server.server.admission_connections.buffered
+
+    return asyncio.run_coroutine_threadsafe(count(), server.loop).result(timeout=5)
+
+
+def test_bytes_held_by_unfinished_requests_stay_under_the_budget(
+    tls: Tls, sockets: list[socket.socket]
+) -> None:
+    body = REVIEW + b" " * (MAX_BODY - len(REVIEW))  # a valid review padded to the largest size
+    request = request_bytes("/mutate-pod", body)
+    part = len(request) - 100_000  # all but the last 100 kB: each such request holds ~0.9 MiB
+    limits = Limits(max_connections=CAP, max_buffered=3 * MAX_BODY)
+    with running_server(Config(), tls, limits=limits) as server:
+        for count in range(1, 6):
+            newest = raw_tls(server, tls)
+            newest.sendall(request[:part])
+            sockets.append(newest)
+            assert eventually(lambda: buffered(server) == min(count, 3) * part)  # noqa: B023
+
+        assert all(closed_by_server(sock, 2.0) for sock in sockets[:2])
+        assert metric(server, EVICTED) == 2
+        newest.sendall(request[part:])
+        assert read_responses(newest, 1)[0][0] == 200
+        assert eventually(lambda: buffered(server) == 2 * part)
