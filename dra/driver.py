@@ -64,6 +64,7 @@ class DraDriver:
             self._judge,
             self.store,
             Paths(settings.cdi_dir, settings.state_dir / "metadata"),
+            on_change=self._claims_changed,
         )
         self.publisher = SlicePublisher(
             api, settings.node, settings.driver, self._devices(self._inventory)
@@ -122,7 +123,19 @@ class DraDriver:
         self.publisher.update(self._devices(inventory))
 
     def _devices(self, inventory: HostInventory) -> tuple[DraDevice, ...]:
-        return build_devices(inventory, self._config, self._names)
+        """What to publish: every usable device, less the group companions of prepared ones (a
+        group goes to one VM; the prepared device itself stays, allocated to its claim)."""
+        groups, functions = self.store.held()
+        return tuple(
+            d
+            for d in build_devices(inventory, self._config, self._names)
+            if d.group not in groups or d.bdf in functions
+        )
+
+    def _claims_changed(self) -> None:
+        with self._host_lock:
+            inventory = self._inventory
+        self.publisher.update(self._devices(inventory))
 
     def _judge(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
         wanted = set(bdfs)

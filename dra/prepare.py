@@ -66,6 +66,7 @@ class ClaimPreparer:
         judge: JudgeDevices,
         store: ClaimStore,
         paths: Paths,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self._driver = driver
         self._pool = pool
@@ -73,6 +74,8 @@ class ClaimPreparer:
         self._judge = judge
         self._store = store
         self._paths = paths
+        self._on_change = on_change
+        """Told after a claim was prepared or forgotten: what may be published changed."""
         # One claim at a time: two claims racing for one device must not both see it free.
         self._lock = threading.Lock()
 
@@ -113,6 +116,7 @@ class ClaimPreparer:
             devices = self._check_devices(allocation)
             prepared = self._write(allocation, devices)
             self._store.save(prepared)
+        self._on_change()
         log.info(
             "prepared %s: %s",
             quote_untrusted(str(ref)),
@@ -123,7 +127,7 @@ class ClaimPreparer:
         )
         return prepared
 
-    def _check_devices(self, allocation: ClaimAllocation) -> list[tuple[PreparedDevice, Bdf]]:
+    def _check_devices(self, allocation: ClaimAllocation) -> list[tuple[PreparedDevice, Bdf, int]]:
         ref = allocation.ref
         wanted: dict[str, Bdf] = {}
         for item in allocation.devices:
@@ -133,16 +137,9 @@ class ClaimPreparer:
                     f"{ref}: device {quote_untrusted(item.device)} is not a name this driver"
                     " publishes; the allocation is from another driver's slice"
                 )
-            holder = self._store.holder_of(bdf)
-            if holder is not None and holder.uid != ref.uid:
-                raise ClaimError(
-                    f"{ref}: device {item.device} ({bdf}) is already prepared for claim"
-                    f" {holder.namespace}/{holder.name} (uid {holder.uid}); it is freed when"
-                    " that claim's pod is gone"
-                )
             wanted[item.device] = bdf
         judged = self._judge(set(wanted.values()))
-        prepared: list[tuple[PreparedDevice, Bdf]] = []
+        prepared: list[tuple[PreparedDevice, Bdf, int]] = []
         for item in allocation.devices:
             bdf = wanted[item.device]
             device = judged.get(bdf, "gone from the host")
@@ -150,6 +147,20 @@ class ClaimPreparer:
                 raise ClaimError(
                     f"{ref}: device {item.device} ({bdf}) cannot be given to a VM: {device};"
                     " fix the device (inspect shows why) and recreate the pod"
+                )
+            held = self._store.holder_of(device.group, besides=ref.uid)
+            if held is not None:
+                holder, record = held
+                what = (
+                    "is already prepared"
+                    if record.bdf == bdf
+                    else f"shares IOMMU group {device.group} with {record.device} ({record.bdf}),"
+                    " which is prepared"
+                )
+                raise ClaimError(
+                    f"{ref}: device {item.device} ({bdf}) {what} for claim"
+                    f" {holder.namespace}/{holder.name} (uid {holder.uid}); it is freed when"
+                    " that claim's pod is gone"
                 )
             prepared.append(
                 (
@@ -161,15 +172,16 @@ class ClaimPreparer:
                         attributes=device.attributes,
                     ),
                     bdf,
+                    device.group,
                 )
             )
         return prepared
 
     def _write(
-        self, allocation: ClaimAllocation, devices: Sequence[tuple[PreparedDevice, Bdf]]
+        self, allocation: ClaimAllocation, devices: Sequence[tuple[PreparedDevice, Bdf, int]]
     ) -> PreparedClaim:
         ref, driver = allocation.ref, self._driver
-        plain = [d for d, _ in devices]
+        plain = [d for d, _, _ in devices]
         metadata_paths: dict[str, str] = {}
         for request in sorted({d.request for d in plain}):
             path = self._paths.metadata(ref.uid, request, driver)
@@ -190,8 +202,9 @@ class ClaimPreparer:
                     device=d.device,
                     bdf=bdf,
                     cdi_ids=build_cdi_ids(driver, ref.uid, d),
+                    group=group,
                 )
-                for d, bdf in devices
+                for d, bdf, group in devices
             ),
             files=(str(spec_path), *metadata_paths.values()),
         )
@@ -209,6 +222,7 @@ class ClaimPreparer:
             self._store.forget(ref.uid)
         if known is not None:
             log.info("unprepared %s", quote_untrusted(str(ref)))
+            self._on_change()
 
 
 def _check_ref(ref: ClaimRef) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ class PreparedRecord:
     device: str
     bdf: Bdf
     cdi_ids: tuple[str, ...]
+    group: int
+    """The function's IOMMU group: no other claim may have a function of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,7 @@ class PreparedClaim:
                     "device": d.device,
                     "bdf": str(d.bdf),
                     "cdiIds": list(d.cdi_ids),
+                    "iommuGroup": d.group,
                 }
                 for d in self.devices
             ],
@@ -77,6 +81,7 @@ class PreparedClaim:
                     device=str(d["device"]),
                     bdf=Bdf.parse(str(d["bdf"])),
                     cdi_ids=tuple(str(i) for i in d["cdiIds"]),
+                    group=int(d["iommuGroup"]),
                 )
                 for d in data["devices"]
             ),
@@ -90,6 +95,8 @@ class ClaimStore:
     def __init__(self, state_dir: Path) -> None:
         self._dir = state_dir / "claims"
         self._claims: dict[str, PreparedClaim] = {}
+        # The preparer writes while the publisher reads which groups are held.
+        self._lock = threading.Lock()
 
     def load(self) -> None:
         """Read every record; an unreadable one is reported and left in place for a person to
@@ -111,13 +118,27 @@ class ClaimStore:
         return self._claims.get(uid)
 
     def __iter__(self) -> Iterator[PreparedClaim]:
-        return iter(list(self._claims.values()))
+        return iter(self._snapshot())
 
-    def holder_of(self, bdf: Bdf) -> PreparedClaim | None:
-        """The prepared claim that has this function, if any."""
-        return next(
-            (c for c in self._claims.values() if any(d.bdf == bdf for d in c.devices)), None
-        )
+    def _snapshot(self) -> list[PreparedClaim]:
+        with self._lock:
+            return list(self._claims.values())
+
+    def holder_of(self, group: int, *, besides: str) -> tuple[PreparedClaim, PreparedRecord] | None:
+        """A claim other than `besides` that has a function of this IOMMU group, if any: a
+        group goes to one VM, whole."""
+        for claim in self._snapshot():
+            if claim.uid == besides:
+                continue
+            for record in claim.devices:
+                if record.group == group:
+                    return claim, record
+        return None
+
+    def held(self) -> tuple[frozenset[int], frozenset[Bdf]]:
+        """The IOMMU groups and the functions prepared claims have."""
+        records = [d for c in self._snapshot() for d in c.devices]
+        return frozenset(d.group for d in records), frozenset(d.bdf for d in records)
 
     def save(self, claim: PreparedClaim) -> None:
         data = json.dumps(claim.to_json(), indent=1).encode()
@@ -127,7 +148,8 @@ class ClaimStore:
             raise StateError(
                 f"cannot record {claim.uid} in {self._dir}: {error.strerror}"
             ) from error
-        self._claims[claim.uid] = claim
+        with self._lock:
+            self._claims[claim.uid] = claim
 
     def forget(self, uid: str) -> None:
         path = self._dir / f"{uid}.json"
@@ -136,4 +158,5 @@ class ClaimStore:
             sync_directory(self._dir)
         except OSError as error:
             raise StateError(f"cannot remove {path}: {error.strerror}") from error
-        self._claims.pop(uid, None)
+        with self._lock:
+            self._claims.pop(uid, None)

@@ -6,18 +6,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import kubernetes.client
 import pytest
 
 from dra.api import ResourceApi
+from dra.claims import ClaimRef
 from dra.driver import DraDriver, DriverSettings
 from dra_testkit import DRIVER, NODE, short_directory
 from hostdev.config import default_config
 from hostdev.pciids import PciIds
-from hostdev.simhost import HostSpec, scale, unbind_driver
+from hostdev.simhost import HostSpec, hgx_h100, scale, unbind_driver
 from kubevirt_iommufd.apiserver_standin import (
     AllocatedDevice,
     ApiServerStandIn,
@@ -193,3 +194,35 @@ def test_an_update_that_meets_a_conflict_is_planned_again(running: Running) -> N
             == [("PUT", 409), ("PUT", 409), ("PUT", 200)]
         )
     )
+
+
+def test_group_companions_of_a_prepared_device_leave_the_slice(
+    build_host: Callable[[HostSpec], Path],
+    apiserver: ApiServerStandIn,
+    api_client: kubernetes.client.ApiClient,
+) -> None:
+    spec = hgx_h100()
+    shared = tuple(
+        replace(f, group=99) if f.bdf in ("0000:18:00.0", "0000:2a:00.0") else f
+        for f in spec.functions
+    )
+    apiserver.put_node(NODE)
+    root = build_host(replace(spec, functions=shared))
+    apiserver.put_claim(build_resource_claim("vms", "vm-gpu", ["gpu"], DRIVER))
+    stored = apiserver.set_allocation(
+        "vms", "vm-gpu", [AllocatedDevice("gpu", DRIVER, NODE, "pci-0000-18-00-0")], NODE
+    )
+    with short_directory() as base:
+        driver = start_driver(root, base, apiserver, api_client)
+        try:
+            assert apiserver.wait_until(lambda: len(published(apiserver)) == 8)
+            ref = ClaimRef("vms", "vm-gpu", stored["metadata"]["uid"])
+            assert not isinstance(driver.preparer.prepare([ref])[ref.uid], str)
+            assert apiserver.wait_until(
+                lambda: "pci-0000-2a-00-0" not in published(apiserver), timeout=5
+            )
+            assert "pci-0000-18-00-0" in published(apiserver)
+            assert driver.preparer.unprepare([ref]) == {ref.uid: None}
+            assert apiserver.wait_until(lambda: len(published(apiserver)) == 8, timeout=5)
+        finally:
+            driver.stop()

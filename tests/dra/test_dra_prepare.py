@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from dra_testkit import DRIVER, NODE, OTHER, REF, Node
 from hostdev.bdf import Bdf
 from hostdev.config import default_config
 from hostdev.scan import scan_host
-from hostdev.simhost import unbind_driver
+from hostdev.simhost import BuildHost, hgx_h100, unbind_driver
 
 ScenarioRoot = Callable[[str], Path]
 
@@ -186,3 +187,22 @@ def test_every_published_device_can_be_prepared(node: Node) -> None:
     node.claims.add(REF, [(f"r{i}", d.name) for i, d in enumerate(devices)])
     answer = node.preparer.prepare([REF])[REF.uid]
     assert isinstance(answer, PreparedClaim) and len(answer.devices) == len(devices) == 8
+
+
+def test_a_function_of_a_group_another_claim_holds_is_refused(
+    build_host: BuildHost, tmp_path: Path
+) -> None:
+    # Two GPUs in one IOMMU group (no ACS between them): the group goes to one VM, whole.
+    spec = hgx_h100()
+    shared = tuple(
+        replace(f, group=99) if f.bdf in ("0000:18:00.0", "0000:2a:00.0") else f
+        for f in spec.functions
+    )
+    node = Node(build_host(replace(spec, functions=shared)), tmp_path)
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    node.claims.add(OTHER, [("gpu", "pci-0000-2a-00-0")])
+    assert isinstance(node.preparer.prepare([REF])[REF.uid], PreparedClaim)
+    answer = node.preparer.prepare([OTHER])[OTHER.uid]
+    assert isinstance(answer, str)
+    assert "shares IOMMU group 99 with pci-0000-18-00-0 (0000:18:00.0)" in answer
+    assert "claim vms/vm-gpus" in answer
