@@ -12,6 +12,7 @@ from pathlib import Path
 import kubernetes.client
 import pytest
 
+from cdi_schema import validate_cdi_spec
 from dra.api import ResourceApi
 from dra.claims import ClaimRef
 from dra.driver import DraDriver, DriverSettings
@@ -144,6 +145,7 @@ def test_a_claim_is_prepared_through_the_kubelet_and_api(running: Running) -> No
     assert [d.device_name for d in answer.devices] == ["pci-0000-18-00-0"]
     spec_path = running.settings.cdi_dir / f"{DRIVER}-claim_{claim.uid}.json"
     spec = json.loads(spec_path.read_text())
+    validate_cdi_spec(spec)
     assert {d["name"] for d in spec["devices"]} == {
         f"{claim.uid}-pci-0000-18-00-0",
         f"{claim.uid}-metadata-gpu",

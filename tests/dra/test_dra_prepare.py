@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cdi_schema import validate_cdi_spec
 from dra.claims import ClaimRef
 from dra.devices import build_devices
 from dra.state import PreparedClaim
@@ -41,6 +42,7 @@ def test_prepare_writes_the_cdi_spec_and_metadata(node: Node) -> None:
         f"{kind}={REF.uid}-metadata-gpu",
     )
     spec = json.loads((node.paths.cdi_dir / f"{DRIVER}-claim_{REF.uid}.json").read_text())
+    validate_cdi_spec(spec)
     assert spec["kind"] == kind
     by_name = {d["name"]: d["containerEdits"] for d in spec["devices"]}
     group = scan_host(node.root).function(Bdf.parse("0000:18:00.0")).iommu_group  # type: ignore[union-attr]
@@ -79,6 +81,7 @@ def test_template_claims_put_metadata_under_the_pods_claim_name(node: Node) -> N
     answer = node.preparer.prepare([REF])[REF.uid]
     assert isinstance(answer, PreparedClaim)
     spec = json.loads(Path(answer.files[0]).read_text())
+    validate_cdi_spec(spec)
     mount = next(d for d in spec["devices"] if "mounts" in d["containerEdits"])
     path = mount["containerEdits"]["mounts"][0]["containerPath"]
     assert path.startswith(
