@@ -1,5 +1,6 @@
 """The shell around deviceplugin.reset_policy: holds the reset state for the manager's thread,
-runs resets in a worker thread and reports them back as events, and logs every step."""
+runs resets in a worker thread and reports them back as events, and logs every step. Each reset
+holds the node's binding lock (hostdev.binding_lock), so it never races a bind or unbind."""
 
 from __future__ import annotations
 
@@ -23,12 +24,18 @@ from deviceplugin.reset_policy import (
     unhealthy_reasons,
 )
 from hostdev.bdf import Bdf
+from hostdev.binding_lock import BindingLockBusy, hold_binding_lock
 from hostdev.errors import HostdevError
 from hostdev.model import HostInventory
 from hostdev.reset import ResetOutcome, ResetStatus, reset_function
+from hostdev.scan import read_function
 from hostdev.sysfs_write import SysfsWriter
 
 log = logging.getLogger(__name__)
+
+LOCK_WAIT_SECONDS = 5.0
+"""How long a reset waits for a bind or unbind to finish before it is retried at the next List
+(the wait blocks the one reset worker, and the plugin's shutdown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +153,20 @@ class ResetCoordinator:
             gone = ResetOutcome(bdf, ResetStatus.FAILED, (), f"{bdf} is no longer on this host")
             self._emit(ResetFinished(key, gone, self._clock()))
             return
-        group = inventory.group_of(function)
 
         def run() -> ResetOutcome:
             try:
-                return reset_function(self._root, function, group, self._writer)
+                with hold_binding_lock(self._root, LOCK_WAIT_SECONDS, who=f"reset {bdf} after use"):
+                    # Read again under the lock: a bind or unbind may have moved it since.
+                    current = read_function(self._root, bdf)
+                    if current is None:
+                        return ResetOutcome(
+                            bdf, ResetStatus.FAILED, (), f"{bdf} is no longer on this host"
+                        )
+                    group = inventory.group_of(current)
+                    return reset_function(self._root, current, group, self._writer)
+            except BindingLockBusy as busy:
+                return ResetOutcome(bdf, ResetStatus.BUSY, (), f"{bdf} waits its turn: {busy}")
             except (HostdevError, OSError) as error:
                 return ResetOutcome(bdf, ResetStatus.FAILED, (), f"resetting {bdf} failed: {error}")
             except Exception as error:

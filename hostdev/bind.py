@@ -1,6 +1,7 @@
-"""Carrying out a bind or unbind plan: read the host, plan (hostdev.bind_plan), load modules,
-write sysfs through a `SysfsWriter`, check each step took, and on any failure put every function
-touched back on its previous driver and override.
+"""Carrying out a bind or unbind plan: under the node's binding lock (hostdev.binding_lock), read
+the host, plan (hostdev.bind_plan), load modules, write sysfs through a `SysfsWriter`, check each
+step took, and on any failure put every function touched back on its previous driver and
+override.
 
 Everything that touches the host goes through `HostAccess`, so tests run the same code against a
 fixture tree whose writer moves symlinks the way the kernel would.
@@ -13,6 +14,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -32,7 +34,9 @@ from hostdev.bind_plan import (
     plan_writes,
     with_registered_names,
 )
+from hostdev.binding_lock import BindingLock, BindingLockBusy, LockHolder, hold_binding_lock
 from hostdev.driver_match import find_driver_dir, read_vfio_aliases, same_driver
+from hostdev.holders import Holder
 from hostdev.model import HostInventory
 from hostdev.scan import scan_host
 from hostdev.sysfs_write import KernelSysfs, SysfsWriter
@@ -97,25 +101,39 @@ class Outcome:
     waited_seconds: float = 0.0
 
 
+Requests = Sequence[BindRequest] | Callable[[HostInventory], Sequence[BindRequest]]
+"""The functions to bind, or how to pick them from the host as read under the binding lock (a
+selector, a reservations file)."""
+LockWaitReport = Callable[[LockHolder | None], None]
+
+
 def bind_devices(
     access: HostAccess,
-    requests: Sequence[BindRequest],
+    requests: Requests,
     *,
     wait_seconds: float = 0.0,
     dry_run: bool = False,
-    inventory: HostInventory | None = None,
+    lock: BindingLock | None = None,
+    on_lock_wait: LockWaitReport | None = None,
 ) -> Outcome:
-    """Move the requested functions, their groups and companions to VFIO drivers."""
-    first = inventory or scan_host(access.root)
-    release = first.capabilities.kernel_release or os.uname().release
-    aliases = read_vfio_aliases(access.host_root, release)
+    """Move the requested functions, their groups and companions to VFIO drivers.
+
+    Holds the node's binding lock (hostdev.binding_lock) from reading the host to checking the
+    last write; `lock` is one the caller already holds (and keeps holding while busy devices
+    are waited for), otherwise it is taken here, within the same `wait_seconds` as busy devices,
+    and released between polls. A dry run changes nothing and takes no lock.
+    """
 
     def plan(current: HostInventory) -> BindPlan:
-        closure = group_closure(current, (r.bdf for r in requests))
+        wanted = requests(current) if callable(requests) else requests
+        release = current.capabilities.kernel_release or os.uname().release
+        aliases = read_vfio_aliases(access.host_root, release)
+        closure = group_closure(current, (r.bdf for r in wanted))
         usage = read_usage(access.root, current, closure)
-        return plan_bind(current, requests, aliases, usage, _registered(access.root))
+        return plan_bind(current, wanted, aliases, usage, _registered(access.root))
 
-    return _run(access, "bind", plan, first, wait_seconds, dry_run)
+    named = "" if callable(requests) else " ".join(str(r.bdf) for r in requests)
+    return _run(access, "bind", named, plan, wait_seconds, dry_run, lock, on_lock_wait)
 
 
 def unbind_devices(
@@ -126,8 +144,10 @@ def unbind_devices(
     reprobe: bool = False,
     wait_seconds: float = 0.0,
     dry_run: bool = False,
+    lock: BindingLock | None = None,
+    on_lock_wait: LockWaitReport | None = None,
 ) -> Outcome:
-    """Take functions and their consumers off VFIO drivers."""
+    """Take functions and their consumers off VFIO drivers; locking as `bind_devices`."""
 
     def plan(current: HostInventory) -> BindPlan:
         scope = list(bdfs)
@@ -139,50 +159,86 @@ def unbind_devices(
             current, bdfs, usage, _registered(access.root), to_driver=to_driver, reprobe=reprobe
         )
 
-    return _run(access, "unbind", plan, scan_host(access.root), wait_seconds, dry_run)
+    named = " ".join(str(b) for b in bdfs)
+    return _run(access, "unbind", named, plan, wait_seconds, dry_run, lock, on_lock_wait)
 
 
 def _run(
     access: HostAccess,
     action: str,
+    named: str,
     make_plan: Callable[[HostInventory], BindPlan],
-    inventory: HostInventory,
     wait_seconds: float,
     dry_run: bool,
+    lock: BindingLock | None,
+    on_lock_wait: LockWaitReport | None,
 ) -> Outcome:
     start = access.clock()
     while True:
-        plan = make_plan(inventory)
-        waited = access.clock() - start
-        if plan.refused:
-            if plan.only_busy and not dry_run and waited < wait_seconds:
-                access.sleep(min(_POLL_SECONDS, wait_seconds - waited))
-                inventory = scan_host(access.root)
-                continue
-            return Outcome(action, Status.REFUSED, plan, waited_seconds=waited)
-        if not plan.moves:
-            return Outcome(action, Status.NOTHING_TO_DO, plan, waited_seconds=waited)
-        if dry_run:
-            writes = tuple(w for m in plan.moves for w in plan_writes(m))
-            return Outcome(action, Status.DRY_RUN, plan, writes, modules=plan.modules)
-        try:
-            _load_modules(access, plan.modules)
-        except _ModuleError as error:
-            refusal = Refusal(None, str(error), error.fix)
-            return Outcome(
-                action, Status.REFUSED, _with_refusal(plan, refusal), waited_seconds=waited
+        held: AbstractContextManager[BindingLock | None]
+        if dry_run or lock is not None:
+            held = nullcontext(lock)
+        else:
+            held = hold_binding_lock(
+                access.root,
+                max(0.0, wait_seconds - (access.clock() - start)),
+                who=f"{action} {named}".strip(),
+                on_wait=on_lock_wait,
+                clock=access.clock,
+                sleep=access.sleep,
             )
-        plan = with_registered_names(plan, _registered(access.root))
-        outcome = _Transaction(access, action, plan, waited).run()
-        if (
-            outcome.status is Status.REFUSED
-            and outcome.plan.only_busy
-            and access.clock() - start < wait_seconds
-        ):
-            access.sleep(min(_POLL_SECONDS, wait_seconds - (access.clock() - start)))
-            inventory = scan_host(access.root)
-            continue
-        return outcome
+        try:
+            with held as taken:
+                # The plan comes from the host as read now, under the lock: what another run
+                # changed while this one waited is seen.
+                outcome = _attempt(access, action, make_plan, taken, dry_run, start)
+        except BindingLockBusy as busy:
+            return _lock_refusal(action, busy, access.clock() - start)
+        waited = access.clock() - start
+        clears_by_itself = outcome.status is Status.REFUSED and outcome.plan.only_busy
+        if not clears_by_itself or dry_run or waited >= wait_seconds:
+            return outcome
+        access.sleep(min(_POLL_SECONDS, wait_seconds - waited))
+
+
+def _attempt(
+    access: HostAccess,
+    action: str,
+    make_plan: Callable[[HostInventory], BindPlan],
+    lock: BindingLock | None,
+    dry_run: bool,
+    start: float,
+) -> Outcome:
+    plan = make_plan(scan_host(access.root))
+    waited = access.clock() - start
+    if plan.refused:
+        return Outcome(action, Status.REFUSED, plan, waited_seconds=waited)
+    if not plan.moves:
+        return Outcome(action, Status.NOTHING_TO_DO, plan, waited_seconds=waited)
+    if dry_run:
+        writes = tuple(w for m in plan.moves for w in plan_writes(m))
+        return Outcome(action, Status.DRY_RUN, plan, writes, modules=plan.modules)
+    if lock is not None:
+        lock.note(f"{action} {' '.join(str(m.bdf) for m in plan.moves)}")
+    try:
+        _load_modules(access, plan.modules)
+    except _ModuleError as error:
+        refusal = Refusal(None, str(error), error.fix)
+        return Outcome(action, Status.REFUSED, _with_refusal(plan, refusal), waited_seconds=waited)
+    plan = with_registered_names(plan, _registered(access.root))
+    return _Transaction(access, action, plan, waited).run()
+
+
+def _lock_refusal(action: str, busy: BindingLockBusy, waited: float) -> Outcome:
+    holder = busy.holder
+    refusal = Refusal(
+        None,
+        str(busy),
+        "wait for it to finish, or pass --wait SECONDS",
+        busy=True,
+        holders=() if holder is None else (Holder(holder.pid, holder.command, str(busy.path)),),
+    )
+    return Outcome(action, Status.REFUSED, BindPlan((), (), (), (refusal,)), waited_seconds=waited)
 
 
 class _ModuleError(Exception):

@@ -5,15 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from hostdev.bdf import Bdf
-from hostdev.bind import HostAccess, Outcome, Runner, bind_devices, run_command, unbind_devices
+from hostdev.bind import (
+    HostAccess,
+    Outcome,
+    Requests,
+    Runner,
+    bind_devices,
+    run_command,
+    unbind_devices,
+)
 from hostdev.bind_plan import AUTO, BindRequest
 from hostdev.bind_report import EXIT_CODES, SCHEMA, build_bind_document, render_bind_table
+from hostdev.binding_lock import LockHolder
 from hostdev.errors import HostdevError, InvalidBdf
+from hostdev.model import HostInventory
 from hostdev.reservations import ReservationError, load_reservations, resolve_reservations
-from hostdev.scan import scan_host
 from hostdev.selector import DeviceSelector, InvalidSelector, select_functions
 from hostdev.sysfs_write import KernelSysfs, SysfsWriter
 
@@ -35,7 +46,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             " the device is in use (open char nodes, SR-IOV VFs enabled, NVIDIA unbindLock"
             " held, a disk mounted or an interface up) or when its group holds a bridge that"
             " must not move. Transactional: on a failure every function touched goes back to"
-            f" its previous driver and override. {EXIT_HELP}"
+            " its previous driver and override. One run at a time per node: holds the binding"
+            " lock <root>/var/lib/kubevirt-iommufd/binding.lock from reading the host to the last"
+            f" write. {EXIT_HELP}"
         ),
     )
     bind.add_argument("bdfs", nargs="*", type=_bdf, metavar="BDF", help="e.g. 0000:3b:00.0")
@@ -109,7 +122,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=0.0,
         metavar="SECONDS",
-        help="while the device is busy, poll until it is free or SECONDS pass (default: 0)",
+        help="wait up to SECONDS in all for another bind, unbind or reset on this node to finish"
+        " (the binding lock) and for busy devices to become free (default: 0, refuse at once)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print what would be done; change nothing"
@@ -125,37 +139,33 @@ def run_bind(
         return _usage("bind", "give BDFs, --match SELECTOR or --from-config FILE (one of them)")
     if args.from_config is not None and args.driver is not None:
         return _usage("bind", "--driver does not apply to --from-config; set driver in the file")
-    access = _access(args, writer, runner)
+    requests: Requests
     try:
-        inventory = scan_host(access.root)
         if args.from_config is not None:
-            requests = resolve_reservations(load_reservations(args.from_config), inventory)
-            if not requests:
-                print(f"bind: {args.from_config} matches no function on this host; nothing to do")
-                return 0
+            # The file is read now; which functions it names on this host is decided under the
+            # binding lock, from the host as it is then.
+            reservations = load_reservations(args.from_config)
+            requests = partial(resolve_reservations, reservations)
         elif args.match:
-            driver = args.driver or AUTO
-            found = {f.bdf for s in args.match for f in select_functions(inventory, s)}
-            if not found:
-                texts = ", ".join(s.text for s in args.match)
-                raise HostdevError(
-                    f"no PCI function matches {texts} on this host; see `kubevirt-iommufd inspect`"
-                )
-            requests = tuple(BindRequest(bdf, driver) for bdf in sorted(found))
+            requests = partial(_matching, tuple(args.match), args.driver or AUTO)
         else:
             requests = tuple(BindRequest(bdf, args.driver or AUTO) for bdf in args.bdfs)
         outcome = bind_devices(
-            access,
+            _access(args, writer, runner),
             requests,
             wait_seconds=args.wait,
             dry_run=args.dry_run,
-            inventory=inventory,
+            on_lock_wait=_say_waiting("bind", args.wait),
         )
     except ReservationError as error:
         return _usage("bind", str(error))
     except HostdevError as error:
         print(f"kubevirt-iommufd bind: error: {error}", file=sys.stderr)
         return 1
+    plan = outcome.plan
+    if args.from_config is not None and not (plan.moves or plan.unchanged or plan.refusals):
+        print(f"bind: {args.from_config} matches no function on this host; nothing to do")
+        return 0
     return _print(outcome, args.json)
 
 
@@ -170,11 +180,37 @@ def run_unbind(
             reprobe=args.reprobe,
             wait_seconds=args.wait,
             dry_run=args.dry_run,
+            on_lock_wait=_say_waiting("unbind", args.wait),
         )
     except HostdevError as error:
         print(f"kubevirt-iommufd unbind: error: {error}", file=sys.stderr)
         return 1
     return _print(outcome, args.json)
+
+
+def _matching(
+    selectors: tuple[DeviceSelector, ...], driver: str, inventory: HostInventory
+) -> tuple[BindRequest, ...]:
+    found = {f.bdf for s in selectors for f in select_functions(inventory, s)}
+    if not found:
+        texts = ", ".join(s.text for s in selectors)
+        raise HostdevError(
+            f"no PCI function matches {texts} on this host; see `kubevirt-iommufd inspect`"
+        )
+    return tuple(BindRequest(bdf, driver) for bdf in sorted(found))
+
+
+def _say_waiting(command: str, wait_seconds: float) -> Callable[[LockHolder | None], None]:
+    def say(holder: LockHolder | None) -> None:
+        whom = str(holder) if holder is not None else "another process (it has not said who yet)"
+        print(
+            f"kubevirt-iommufd {command}: waiting up to {wait_seconds:g} s for the binding lock,"
+            f" held by {whom}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return say
 
 
 def _access(

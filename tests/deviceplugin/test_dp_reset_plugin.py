@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from deviceplugin import resetter
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
+from hostdev.binding_lock import LockHolder, hold_binding_lock, read_lock_holder
 from hostdev.config import PluginConfig, parse_config
 from hostdev.pciids import PciIds
 from hostdev.simhost import BuildHost, hgx_h100
@@ -35,6 +37,8 @@ class RecordingSysfs:
 
     def __init__(self) -> None:
         self.resets: list[tuple[float, str]] = []
+        self.lock_holders: list[LockHolder | None] = []
+        """The binding lock's holder during each reset."""
         self.failing: set[str] = set()
         self.gate = threading.Event()
         """Cleared: resets wait (as a slow FLR would) until it is set again."""
@@ -49,8 +53,11 @@ class RecordingSysfs:
         self.gate.wait(5)
         if bdf in self.failing:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
+        # <root>/sys/bus/pci/devices/<BDF>/reset
+        holder = read_lock_holder(path.parents[5])
         with self._lock:
             self.resets.append((time.monotonic(), bdf))
+            self.lock_holders.append(holder)
 
     def count(self, bdf: str) -> int:
         with self._lock:
@@ -270,3 +277,58 @@ def test_without_pod_resources_devices_are_offered_and_the_log_says_why(
     assert len(
         [r for r in caplog.records if "cannot learn device assignments" in r.getMessage()]
     ) == len(warnings)
+
+
+def test_each_reset_holds_the_binding_lock(start_node: Callable[..., Node]) -> None:
+    node = start_node()
+    node.kubelet.wait_for(lambda: len(node.sysfs.resets) == 8)
+    assert [(h.pid, h.doing) if h else None for h in node.sysfs.lock_holders] == [
+        (os.getpid(), f"reset {bdf} after use") for _, bdf in node.sysfs.resets
+    ]
+
+
+def test_a_reset_waits_for_a_binding_in_progress(start_node: Callable[..., Node]) -> None:
+    node = start_node()
+    node.kubelet.wait_for(
+        lambda: node.sysfs.count(GPU) == 1 and node.health().get(GPU) == "Healthy"
+    )
+    node.kubelet.allocate(H100, [GPU])
+    node.pods.assign("vm-a", H100, [GPU])
+    node.pods.wait_listed(node.pods.list_calls)
+    with hold_binding_lock(node.root, 10, who="bind 0000:18:00.0"):
+        node.pods.remove("vm-a")
+        node.wait_health(GPU, "Unhealthy")
+        time.sleep(0.5)
+        assert node.sysfs.count(GPU) == 1
+    node.kubelet.wait_for(lambda: node.sysfs.count(GPU) == 2)
+    node.wait_health(GPU, "Healthy")
+
+
+def test_a_reset_that_cannot_get_the_lock_is_retried_naming_the_holder(
+    start_node: Callable[..., Node],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(resetter, "LOCK_WAIT_SECONDS", 0.1)
+    caplog.set_level(logging.INFO, logger="deviceplugin")
+    node = start_node()
+    node.kubelet.wait_for(
+        lambda: node.sysfs.count(GPU) == 1 and node.health().get(GPU) == "Healthy"
+    )
+    node.kubelet.allocate(H100, [GPU])
+    node.pods.assign("vm-a", H100, [GPU])
+    node.pods.wait_listed(node.pods.list_calls)
+    with hold_binding_lock(node.root, 10, who="unbind 0000:18:00.0"):
+        node.pods.remove("vm-a")
+        node.kubelet.wait_for(
+            lambda: any(
+                "device still in use; reset retried" in r.getMessage()
+                and "another binding run holds" in r.getMessage()
+                and f"pid {os.getpid()}" in r.getMessage()
+                and "unbind 0000:18:00.0" in r.getMessage()
+                for r in caplog.records
+            )
+        )
+        assert node.health()[GPU] == "Unhealthy"
+    node.kubelet.wait_for(lambda: node.sysfs.count(GPU) == 2)
+    node.wait_health(GPU, "Healthy")

@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
 
+from bind_race import held_elsewhere
+from hostdev.binding_lock import LOCK_PATH, hold_binding_lock
 from hostdev.simhost import (
     CLASS_AUDIO,
     CLASS_VGA,
@@ -235,3 +239,63 @@ def test_missing_root_is_an_error(
     code, _, err = cli("bind", GPU)
     assert code == 1
     assert err.startswith("kubevirt-iommufd bind: error: host root")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["bind", GPU], ["unbind", GPU], ["bind", "--match", "10de:2204"], ["bind", "--from-config"]],
+    ids=["bind", "unbind", "match", "from-config"],
+)
+def test_a_run_that_finds_the_lock_held_fails_at_once_naming_the_holder(
+    cli: Cli, tmp_path: Path, argv: list[str]
+) -> None:
+    if argv[-1] == "--from-config":
+        config = tmp_path / "reserved.yaml"
+        config.write_text(f'devices:\n  - pciAddress: "{GPU}"\n')
+        argv = [*argv, str(config)]
+    lock_file = cli.root / LOCK_PATH
+    with hold_binding_lock(cli.root, 0, who="unbind 0000:3b:00.0 (the other run)"):
+        code, out, err = cli(*argv, "--wait", "0")
+        json_code, document, _ = cli(*argv, "--json")
+    assert (code, err, json_code) == (1, "", 1)
+    assert out.splitlines()[-2] == f"{argv[0]}: refused; nothing was changed"
+    assert re.fullmatch(
+        rf"  another binding run holds {re.escape(str(lock_file))}: pid {os.getpid()} \(.+\),"
+        r" unbind 0000:3b:00\.0 \(the other run\), since \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ;"
+        r" wait for it to finish, or pass --wait SECONDS",
+        out.splitlines()[-1],
+    )
+    (refusal,) = json.loads(document)["refusals"]
+    assert refusal["busy"] is True
+    assert [(h["pid"], h["path"]) for h in refusal["holders"]] == [(os.getpid(), str(lock_file))]
+    assert cli.kernel.writes == []
+
+
+def test_a_waiting_run_names_the_holder_then_proceeds(cli: Cli) -> None:
+    with held_elsewhere(cli.root, 0.5, "unbind 0000:3b:00.0") as other:
+        code, out, err = cli("bind", GPU, "--wait", "10")
+    assert code == 0
+    assert out.splitlines()[-1] == "bind: done, 2 functions moved"
+    (said,) = err.splitlines()
+    assert said.startswith(
+        f"kubevirt-iommufd bind: waiting up to 10 s for the binding lock, held by pid {other.pid} ("
+    )
+    assert "), unbind 0000:3b:00.0, since " in said
+
+
+def test_the_wait_covers_the_lock_and_then_a_busy_device_together(cli: Cli) -> None:
+    hold(cli.root, 4242, "nvidia-smi", "/dev/nvidia0")
+    with held_elsewhere(cli.root, 0.5, "unbind 0000:3b:00.0"):
+        code, out, err = cli("bind", GPU, "--wait", "1.5", "--json")
+    document = json.loads(out)
+    assert (code, document["result"]) == (1, "refused")
+    assert "in use: pid 4242 (nvidia-smi)" in document["refusals"][0]["reason"]
+    assert 1.5 <= document["waited_seconds"] < 3
+    assert "waiting up to 1.5 s for the binding lock" in err
+
+
+def test_a_dry_run_takes_no_lock(cli: Cli) -> None:
+    with hold_binding_lock(cli.root, 0, who="bind --from-config"):
+        code, out, err = cli("bind", GPU, "--dry-run")
+    assert (code, err) == (0, "")
+    assert "bind: dry run, 2 functions would move with these writes:" in out

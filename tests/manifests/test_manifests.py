@@ -16,6 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from hostdev.binding_lock import LOCK_PATH
+
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
 OVERLAYS = sorted(p.name for p in (MANIFESTS / "overlays").iterdir() if p.is_dir())
@@ -121,6 +123,7 @@ def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
         "/sys",
         "/var/run/kubevirt-iommufd",
         "/etc/kubernetes/node-feature-discovery/features.d",
+        "/var/lib/kubevirt-iommufd",
         "/",
     }
     mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
@@ -139,6 +142,12 @@ def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
     # The kubelet mounts each hand-off socket into launchers from the host path, so the plugin
     # must see it at the same path.
     assert mounts["handoff"]["mountPath"] == handoff
+    # Every writer of driver bindings takes the binding lock in the host's own directory, at the
+    # host's path (hostdev.binding_lock.LOCK_PATH under the root /).
+    for container in (reserve, spec["containers"][0]):
+        (state,) = [m for m in container["volumeMounts"] if m["name"] == "state"]
+        assert state == {"name": "state", "mountPath": "/var/lib/kubevirt-iommufd"}
+    assert host_paths["state"] == "/" + str(Path(LOCK_PATH).parent)
     config = (
         yaml.safe_load(one(render("self-signed"), "ConfigMap")["data"]["plugin.yaml"])
         if False
