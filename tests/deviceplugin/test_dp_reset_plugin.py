@@ -279,6 +279,25 @@ def test_without_pod_resources_devices_are_offered_and_the_log_says_why(
     ) == len(warnings)
 
 
+def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll `condition` (for state the kubelet stand-in is not told about)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
+        time.sleep(0.02)
+
+
+def reset_at_start_and_offered(node: Node) -> None:
+    """GPU reset at start and offered again: by the plugin, and as the kubelet last heard."""
+    eventually(
+        lambda: (
+            node.sysfs.count(GPU) == 1
+            and node.manager.tree.resources[H100].devices[GPU].healthy
+            and node.health().get(GPU) == "Healthy"
+        )
+    )
+
+
 def test_each_reset_holds_the_binding_lock(start_node: Callable[..., Node]) -> None:
     node = start_node()
     node.kubelet.wait_for(lambda: len(node.sysfs.resets) == 8)
@@ -289,9 +308,7 @@ def test_each_reset_holds_the_binding_lock(start_node: Callable[..., Node]) -> N
 
 def test_a_reset_waits_for_a_binding_in_progress(start_node: Callable[..., Node]) -> None:
     node = start_node()
-    node.kubelet.wait_for(
-        lambda: node.sysfs.count(GPU) == 1 and node.health().get(GPU) == "Healthy"
-    )
+    reset_at_start_and_offered(node)
     node.kubelet.allocate(H100, [GPU])
     node.pods.assign("vm-a", H100, [GPU])
     node.pods.wait_listed(node.pods.list_calls)
@@ -312,15 +329,13 @@ def test_a_reset_that_cannot_get_the_lock_is_retried_naming_the_holder(
     monkeypatch.setattr(resetter, "LOCK_WAIT_SECONDS", 0.1)
     caplog.set_level(logging.INFO, logger="deviceplugin")
     node = start_node()
-    node.kubelet.wait_for(
-        lambda: node.sysfs.count(GPU) == 1 and node.health().get(GPU) == "Healthy"
-    )
+    reset_at_start_and_offered(node)
     node.kubelet.allocate(H100, [GPU])
     node.pods.assign("vm-a", H100, [GPU])
     node.pods.wait_listed(node.pods.list_calls)
     with hold_binding_lock(node.root, 10, who="unbind 0000:18:00.0"):
         node.pods.remove("vm-a")
-        node.kubelet.wait_for(
+        eventually(
             lambda: any(
                 "device still in use; reset retried" in r.getMessage()
                 and "another binding run holds" in r.getMessage()
@@ -329,6 +344,7 @@ def test_a_reset_that_cannot_get_the_lock_is_retried_naming_the_holder(
                 for r in caplog.records
             )
         )
-        assert node.health()[GPU] == "Unhealthy"
+        node.wait_health(GPU, "Unhealthy")
+        assert node.sysfs.count(GPU) == 1
     node.kubelet.wait_for(lambda: node.sysfs.count(GPU) == 2)
     node.wait_health(GPU, "Healthy")
