@@ -150,6 +150,25 @@ def start_node(build_host: BuildHost, short_dir: Path) -> Iterator[Callable[...,
         node.kubelet.stop()
 
 
+def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll `condition` (for state the kubelet stand-in is not told about)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
+        time.sleep(0.02)
+
+
+def reset_at_start_and_offered(node: Node) -> None:
+    """GPU reset at start and offered again: by the plugin, and as the kubelet last heard."""
+    eventually(
+        lambda: (
+            node.sysfs.count(GPU) == 1
+            and node.manager.tree.resources[H100].devices[GPU].healthy
+            and node.health().get(GPU) == "Healthy"
+        )
+    )
+
+
 def test_devices_are_reset_once_at_start_then_offered(start_node: Callable[..., Node]) -> None:
     node = start_node()
     node.kubelet.wait_for(
@@ -160,9 +179,7 @@ def test_devices_are_reset_once_at_start_then_offered(start_node: Callable[..., 
 
 def test_a_released_device_is_unhealthy_until_reset(start_node: Callable[..., Node]) -> None:
     node = start_node()
-    node.kubelet.wait_for(
-        lambda: node.sysfs.count(GPU) == 1 and node.health().get(GPU) == "Healthy"
-    )
+    reset_at_start_and_offered(node)
     node.kubelet.allocate(H100, [GPU])
     node.pods.assign("virt-launcher-vm-a", H100, [GPU])
     node.pods.wait_listed(node.pods.list_calls)
@@ -203,9 +220,7 @@ def test_allocate_triggers_an_early_list(start_node: Callable[..., Node]) -> Non
 
 def test_a_device_still_open_waits_for_its_holder(start_node: Callable[..., Node]) -> None:
     node = start_node()
-    node.kubelet.wait_for(
-        lambda: node.sysfs.count(GPU) == 1 and node.health().get(GPU) == "Healthy"
-    )
+    reset_at_start_and_offered(node)
     node.kubelet.allocate(H100, [GPU])
     node.pods.assign("vm-a", H100, [GPU])
     node.pods.wait_listed(node.pods.list_calls)
@@ -247,9 +262,7 @@ def test_a_device_without_reset_method_stays_usable_with_a_warning(
 
 def test_a_failed_reset_keeps_the_device_unhealthy(start_node: Callable[..., Node]) -> None:
     node = start_node()
-    node.kubelet.wait_for(
-        lambda: node.sysfs.count(GPU) == 1 and node.health().get(GPU) == "Healthy"
-    )
+    reset_at_start_and_offered(node)
     node.kubelet.allocate(H100, [GPU])
     node.pods.assign("vm-a", H100, [GPU])
     node.pods.wait_listed(node.pods.list_calls)
@@ -277,25 +290,6 @@ def test_without_pod_resources_devices_are_offered_and_the_log_says_why(
     assert len(
         [r for r in caplog.records if "cannot learn device assignments" in r.getMessage()]
     ) == len(warnings)
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll `condition` (for state the kubelet stand-in is not told about)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
-        time.sleep(0.02)
-
-
-def reset_at_start_and_offered(node: Node) -> None:
-    """GPU reset at start and offered again: by the plugin, and as the kubelet last heard."""
-    eventually(
-        lambda: (
-            node.sysfs.count(GPU) == 1
-            and node.manager.tree.resources[H100].devices[GPU].healthy
-            and node.health().get(GPU) == "Healthy"
-        )
-    )
 
 
 def test_each_reset_holds_the_binding_lock(start_node: Callable[..., Node]) -> None:
