@@ -26,10 +26,12 @@ class Unintelligible(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The RFC 6902 operations to apply (none: leave the object as it is) and why."""
+    """The RFC 6902 operations to apply (none: leave the object as it is) and why, with what
+    the object's owner should hear in the AdmissionReview's `warnings`."""
 
     operations: tuple[Operation, ...]
     reason: str
+    warnings: tuple[str, ...] = ()
 
 
 def pointer(*tokens: str | int) -> str:

@@ -100,7 +100,9 @@ def review(body: object, config: Config, endpoint: Endpoint) -> Verdict:
         patch = json.dumps(plan.operations, separators=(",", ":")).encode()
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(patch).decode("ascii")
-    outcome = "patched" if plan.operations else "unchanged"
+    if plan.warnings:
+        response["warnings"] = [f"{WARNING_PREFIX}{warning}" for warning in plan.warnings]
+    outcome = "patched" if plan.operations else "warned" if plan.warnings else "unchanged"
     return Verdict({**envelope, "response": response}, outcome, plan.reason, uid, subject)
 
 

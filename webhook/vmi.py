@@ -1,4 +1,5 @@
-"""Plan the change to a VMI: our hook sidecar in `hooks.kubevirt.io/hookSidecars` if it wants VFIO.
+"""Plan the change to a VMI: our hook sidecar in `hooks.kubevirt.io/hookSidecars` if it wants VFIO,
+and the iommufd node affinity if it requires iommufd (`webhook.affinity`).
 
 The annotation's value is a JSON list held in a string; existing entries are kept as they are.
 Our entry counts as present when an entry runs the same image repository, whatever its tag or
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from webhook.affinity import plan_iommufd_affinity
 from webhook.config import Config, HookSidecar
 from webhook.plan import (
     Operation,
@@ -25,10 +27,8 @@ HOOK_SIDECARS = "hooks.kubevirt.io/hookSidecars"
 
 
 def plan_vmi(vmi: object, namespace: str, config: Config) -> Plan:
-    """The patch that adds the configured hook sidecar to a VMI asking for managed devices."""
-    sidecar = config.hook_sidecar
-    if sidecar is None:
-        return Plan((), "hook sidecar injection is off (hookSidecar.enabled)")
+    """The patch that adds the configured hook sidecar to a VMI asking for managed devices, and
+    a required iommufd node affinity to a VMI requiring iommufd (`webhook.affinity`)."""
     if not isinstance(vmi, dict):
         raise Unintelligible("request.object is not an object")
     metadata = vmi.get("metadata")
@@ -38,10 +38,27 @@ def plan_vmi(vmi: object, namespace: str, config: Config) -> Plan:
     skipped = config.skips(namespace, labels)
     if skipped:
         return Plan((), skipped)
+    annotations = mapping(metadata.get("annotations"), "metadata.annotations")
+    sidecar = _plan_sidecar(vmi, metadata, annotations, config)
+    affinity = plan_iommufd_affinity(vmi, annotations)
+    if affinity is None:
+        return sidecar
+    return Plan(
+        sidecar.operations + affinity.operations,
+        f"{sidecar.reason}; {affinity.reason}",
+        sidecar.warnings + affinity.warnings,
+    )
+
+
+def _plan_sidecar(
+    vmi: dict[str, Any], metadata: dict[str, Any], annotations: dict[str, Any], config: Config
+) -> Plan:
+    sidecar = config.hook_sidecar
+    if sidecar is None:
+        return Plan((), "hook sidecar injection is off (hookSidecar.enabled)")
     managed = _managed_devices(vmi, config)
     if not managed:
         return Plan((), "no managed GPU or host device")
-    annotations = mapping(metadata.get("annotations"), "metadata.annotations")
     existing = _sidecars(annotations.get(HOOK_SIDECARS))
     if any(_same_repository(entry, sidecar) for entry in existing):
         return Plan((), f"{HOOK_SIDECARS} already runs {_repository(sidecar.image)}")
@@ -60,7 +77,10 @@ def _managed_devices(vmi: dict[str, Any], config: Config) -> list[str]:
     for kind in ("gpus", "hostDevices"):
         for index, device in enumerate(listing(devices.get(kind), f"spec.domain.devices.{kind}")):
             where = f"spec.domain.devices.{kind}[{index}]"
-            name = mapping(device, where).get("deviceName")
+            entry = mapping(device, where)
+            name = entry.get("deviceName")
+            if name is None and "claimName" in entry:
+                continue  # a DRA claim's device, not a device plugin resource
             if not isinstance(name, str):
                 raise Unintelligible(f"{where}.deviceName is not a string")
             if config.is_managed(name):
