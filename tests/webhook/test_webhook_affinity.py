@@ -97,7 +97,8 @@ def test_preferred_only_keeps_the_preference_and_adds_a_required_term() -> None:
 
 
 def test_an_empty_or_null_required_section_gets_the_term() -> None:
-    for required in ({}, {"nodeSelectorTerms": None}, {"nodeSelectorTerms": []}):
+    sections: list[Json] = [{}, {"nodeSelectorTerms": None}, {"nodeSelectorTerms": []}]
+    for required in sections:
         affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
         vmi = requiring(affinity=affinity)
         assert required_terms(apply_patch(vmi, review(vmi))) == [{"matchExpressions": [OURS]}]
