@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-# The API server keeps up to a few dozen keep-alive connections per webhook host, several API
-# servers share a webhook, and a TLS connection costs a few tens of KiB here: 256 of them stay far
-# below the pod's 256 MiB limit (bench/webhook_idle.py) while leaving the API server ample room.
+# Each API server keeps up to 25 idle connections per webhook host (client-go's transport
+# default) and opens more only for concurrent reviews; a TLS connection costs about 28 KiB here,
+# so 256 of them stay far below the pod's 256 MiB limit (bench/webhook_idle.py) while leaving a
+# few API servers ample room.
 MAX_CONNECTIONS = 256
 # The API server sends a review in one write right after connecting, so a request takes
 # milliseconds to arrive; 10 s is the API server's default webhook timeout, after which it has
