@@ -151,6 +151,20 @@ def test_a_request_under_way_outlives_a_flood_of_idle_connections(
         assert json.loads(body)["response"]["allowed"] is True
 
 
+# Timing assertions below are lower bounds measured from before the client acts, so they hold
+# however late the client runs on a loaded machine; which timer closed a connection is read from
+# the server's metrics rather than guessed from the clock.
+
+
+def send_quietly(sock: socket.socket, data: bytes) -> bool:
+    """Send unless the server has already closed the connection; whether it went."""
+    try:
+        sock.sendall(data)
+    except OSError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize(
     "sent", [b"", b"POST /mutate-pod HTTP/1.1\r\nhost: x\r\n"], ids=["nothing", "half-a-head"]
 )
@@ -159,77 +173,77 @@ def test_a_connection_without_a_complete_request_is_cut_at_the_deadline(
 ) -> None:
     limits = Limits(request_timeout=0.5, idle_timeout=30)
     with running_server(Config(), tls, limits=limits) as server:
-        sock = raw_tls(server, tls)
-        sock.sendall(sent)
         started = time.monotonic()
+        sock = raw_tls(server, tls)
+        send_quietly(sock, sent)
 
-        assert closed_by_server(sock, 5.0)
-        assert 0.4 <= time.monotonic() - started < 2.0
+        assert closed_by_server(sock, 10.0)
+        assert time.monotonic() - started >= 0.45
         sock.close()
-        assert metric(server, REQUEST_TIMEOUTS) == 1
+        assert eventually(lambda: metric(server, REQUEST_TIMEOUTS) == 1)
+        assert metric(server, IDLE_TIMEOUTS) == 0
 
 
 def test_a_tls_handshake_never_finished_is_cut_at_the_deadline(tls: Tls) -> None:
     limits = Limits(request_timeout=0.5, idle_timeout=30)
     with running_server(Config(), tls, limits=limits) as server:
+        started = time.monotonic()
         sock = socket.create_connection(("127.0.0.1", server.port))
-        sock.sendall(b"\x16\x03\x01")  # the first bytes of a ClientHello, and no more
+        send_quietly(sock, b"\x16\x03\x01")  # the first bytes of a ClientHello, and no more
 
-        assert closed_by_server(sock, 5.0)
+        assert closed_by_server(sock, 10.0)
+        assert time.monotonic() - started >= 0.45
         sock.close()
+        assert eventually(lambda: metric(server, REQUEST_TIMEOUTS) == 1)
 
 
 def test_a_request_trickled_in_does_not_extend_its_deadline(tls: Tls) -> None:
-    limits = Limits(request_timeout=0.6, idle_timeout=30)
+    limits = Limits(request_timeout=0.5, idle_timeout=30)
     with running_server(Config(), tls, limits=limits) as server:
         sock = raw_tls(server, tls)
-        started = time.monotonic()
-        closed = False
-        for byte in request_bytes("/mutate-pod", REVIEW)[:40]:
-            try:
-                sock.sendall(bytes([byte]))
-            except OSError:
-                closed = True
-                break
+        head = request_bytes("/mutate-pod", REVIEW)[:200]
+        sent = 0
+        # A byte every 50 ms: 10 s for the 200, 20 times the deadline.
+        while sent < len(head) and send_quietly(sock, head[sent : sent + 1]):
+            sent += 1
             if closed_by_server(sock, 0.05):
-                closed = True
                 break
         sock.close()
 
-        assert closed
-        assert time.monotonic() - started < 1.5
+        assert sent < len(head), "the trickle was never cut"
+        assert eventually(lambda: metric(server, REQUEST_TIMEOUTS) == 1)
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(tls: Tls) -> None:
     # The idle timeout is the longer one here: an answered connection must outlive the request
-    # deadline and be closed by its own.
+    # deadline and be closed by its own timer.
     limits = Limits(request_timeout=0.3, idle_timeout=1.0)
     with running_server(Config(), tls, limits=limits) as server:
         sock = raw_tls(server, tls)
+        sent = time.monotonic()
         sock.sendall(request_bytes("/mutate-pod", REVIEW))
         assert read_responses(sock, 1)[0][0] == 200
-        answered = time.monotonic()
 
-        assert not closed_by_server(sock, 0.6)
-        assert closed_by_server(sock, 3.0)
-        assert 0.9 <= time.monotonic() - answered < 2.5
+        assert closed_by_server(sock, 10.0)
+        assert time.monotonic() - sent >= 0.95
         sock.close()
+        assert eventually(lambda: metric(server, IDLE_TIMEOUTS) == 1)
         assert metric(server, REQUEST_TIMEOUTS) == 0
-        assert metric(server, IDLE_TIMEOUTS) == 1
 
 
 def test_a_keep_alive_connection_used_again_gets_a_fresh_idle_timeout(tls: Tls) -> None:
-    limits = Limits(request_timeout=5, idle_timeout=0.6)
+    limits = Limits(request_timeout=5, idle_timeout=2.0)
     with running_server(Config(), tls, limits=limits) as server:
         conn = https(server, tls)
-        for _ in range(4):
-            admit(conn, "/mutate-pod", admission_review(load("pod-gpu.yaml")))
-            time.sleep(0.3)
-        first = conn.sock
         admit(conn, "/mutate-pod", admission_review(load("pod-gpu.yaml")))
+        first = conn.sock
+        for _ in range(6):
+            time.sleep(0.5)
+            admit(conn, "/mutate-pod", admission_review(load("pod-gpu.yaml")))
 
-        assert conn.sock is first  # 1.2 s in all, but never 0.6 s idle
+        assert conn.sock is first  # 3 s in all, but never 2 s idle
         conn.close()
+        assert metric(server, IDLE_TIMEOUTS) == 0
 
 
 @pytest.mark.parametrize(
