@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -17,6 +18,7 @@ from hostdev.pciids import PciIds
 
 if TYPE_CHECKING:
     from deviceplugin.iommufd_handoff import IommufdHandoff
+    from hostdev.node_patch import NodeLabeler
 
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
 log = logging.getLogger("deviceplugin")
@@ -63,6 +65,18 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_label_arguments(plugin, "plugin")
     plugin.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME"),
+        metavar="NAME",
+        help="this node's name, for --label-node (default: $NODE_NAME)",
+    )
+    plugin.add_argument(
+        "--kubeconfig",
+        type=Path,
+        metavar="FILE",
+        help="kubeconfig for --label-node (default: the pod's service account)",
+    )
+    plugin.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     plugin.set_defaults(run=run)
@@ -89,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.root.is_dir():
         print(f"kubevirt-iommufd plugin: --root {args.root} is not a directory", file=sys.stderr)
         return 2
+    try:
+        node_labeler = _node_labeler(args) if args.label_node else None
+    except ValueError as error:
+        print(f"kubevirt-iommufd plugin: {error}", file=sys.stderr)
+        return 2
     metrics = PluginMetrics()
     handoff = _handoff(config, args.root) if config.iommufd.enabled else None
     if handoff is not None:
@@ -97,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         metrics.serve(args.metrics_port)
     names = PciIds(config.pci_ids) if config.pci_ids else PciIds.find()
     labels = build_label_publisher(
-        feature_file_path(args.feature_file, config, args.root, "plugin"), "plugin"
+        feature_file_path(args.feature_file, config, args.root, "plugin"), "plugin", node_labeler
     )
     manager = PluginManager(
         config,
@@ -137,6 +156,23 @@ def apply_flags(config: PluginConfig, args: argparse.Namespace) -> PluginConfig:
         pod_resources = replace(config.pod_resources, socket=args.pod_resources_socket)
         config = replace(config, pod_resources=pod_resources)
     return config
+
+
+def _node_labeler(args: argparse.Namespace) -> NodeLabeler:
+    from hostdev.node_patch import NodeLabeler, load_api_client
+
+    if not args.node_name:
+        raise ValueError("--label-node needs the node's name: pass --node-name or set NODE_NAME")
+    try:
+        api_client = load_api_client(args.kubeconfig)
+    except Exception as error:
+        raise ValueError(
+            f"--label-node: no API server configuration: {error}; run in a pod with a service"
+            " account, or pass --kubeconfig"
+        ) from None
+    labeler = NodeLabeler(api_client, args.node_name)
+    labeler.start()
+    return labeler
 
 
 def _handoff(config: PluginConfig, root: Path) -> IommufdHandoff:

@@ -8,17 +8,24 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hostdev.config import PluginConfig
 from hostdev.feature_file import FeatureFile
+
+if TYPE_CHECKING:
+    from hostdev.node_patch import NodeLabeler
 
 
 class LabelPublisher:
     """Hands every new set of labels to each destination; `close()` (a clean stop) takes them
     back, so a node where the component no longer runs stops advertising what it offered."""
 
-    def __init__(self, feature_file: FeatureFile | None = None) -> None:
+    def __init__(
+        self, feature_file: FeatureFile | None = None, node: NodeLabeler | None = None
+    ) -> None:
         self.feature_file = feature_file
+        self.node = node
         self._labels: dict[str, str] | None = None
 
     @property
@@ -30,10 +37,14 @@ class LabelPublisher:
         self._labels = dict(labels)
         if self.feature_file is not None:
             self.feature_file.write(labels)
+        if self.node is not None:
+            self.node.publish(labels)
 
     def close(self) -> None:
         if self.feature_file is not None:
             self.feature_file.remove()
+        if self.node is not None:
+            self.node.close()
 
 
 def add_label_arguments(parser: argparse.ArgumentParser, component: str) -> None:
@@ -45,6 +56,12 @@ def add_label_arguments(parser: argparse.ArgumentParser, component: str) -> None
         f" (default: kubevirt-iommufd-{component} in nodeLabels.featuresDir of the config,"
         " /etc/kubernetes/node-feature-discovery/features.d unless set; none when --root is"
         " not /)",
+    )
+    parser.add_argument(
+        "--label-node",
+        action="store_true",
+        help="also set the labels on this node's Node object through the API server (needs"
+        " RBAC to get and patch nodes); only keys under kubevirt-iommufd.io/ are touched",
     )
 
 
@@ -61,5 +78,7 @@ def feature_file_path(
     return directory / f"kubevirt-iommufd-{component}"
 
 
-def build_label_publisher(path: Path | None, component: str) -> LabelPublisher:
-    return LabelPublisher(FeatureFile(path, component) if path is not None else None)
+def build_label_publisher(
+    path: Path | None, component: str, node: NodeLabeler | None = None
+) -> LabelPublisher:
+    return LabelPublisher(FeatureFile(path, component) if path is not None else None, node)

@@ -34,8 +34,10 @@ LABEL_PREFIX = "kubevirt-iommufd.io/"
 IOMMUFD_LABEL = LABEL_PREFIX + "iommufd"
 VFIO_CDEV_LABEL = LABEL_PREFIX + "vfio-cdev"
 KERNEL_LABEL = LABEL_PREFIX + "kernel"
-COUNT_NAME = "iommufd-devices."
-_HASHED_COUNT_NAME = "iommufd-devices-"
+_COUNT_STEM = "iommufd-devices"
+COUNT_NAME = _COUNT_STEM + "."
+_HASHED_COUNT_NAME = _COUNT_STEM + "-"
+_FIXED_LABELS = frozenset({IOMMUFD_LABEL, VFIO_CDEV_LABEL, KERNEL_LABEL})
 _MAX_NAME = 63
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _NOT_NAME = re.compile(r"[^-A-Za-z0-9_.]")
@@ -96,8 +98,22 @@ def kernel_version(release: str | None) -> str | None:
 
 
 def is_ours(key: str) -> bool:
-    """A label this project owns (and may remove)."""
-    return key.startswith(LABEL_PREFIX)
+    """A label these functions publish, and so may remove. Other keys under the prefix are the
+    operator's: `kubevirt-iommufd.io/passthrough` picks the nodes the plugin DaemonSet runs on."""
+    return key in _FIXED_LABELS or key.startswith(LABEL_PREFIX + _COUNT_STEM)
+
+
+def build_label_patch(
+    current: Mapping[str, str], wanted: Mapping[str, str]
+) -> dict[str, str | None]:
+    """The `metadata.labels` of a JSON merge patch taking a Node from `current` to `wanted`
+    labels of ours: changed and new ones set, ours (`is_ours`) no longer wanted removed (null),
+    every other label left out, so it is never touched. Empty when nothing is to change."""
+    patch: dict[str, str | None] = {
+        key: value for key, value in wanted.items() if current.get(key) != value
+    }
+    patch |= {key: None for key in current if is_ours(key) and key not in wanted}
+    return patch
 
 
 def _bool(value: bool) -> str:

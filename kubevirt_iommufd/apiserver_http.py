@@ -34,6 +34,7 @@ from kubevirt_iommufd.apiserver_rules import (
 from kubevirt_iommufd.apiserver_store import ApiError, Checks, Event, Selection, Store
 
 NO_RESOURCE = "the server could not find the requested resource"
+MERGE_PATCH = "application/merge-patch+json"
 NAMESPACE_MISMATCH = (
     "the namespace of the provided object does not match the namespace sent on the request"
 )
@@ -235,9 +236,13 @@ class _Handler(BaseHTTPRequestHandler):
                 return 200, store.delete_collection(kind, _selection(route, query))
         elif method == "GET":
             return 200, store.get(kind, namespace, route.name)
-        elif method == "PUT":
-            obj = _sent_object(kind, body)
-            if self.server.backend.take_conflict():
+        elif method in ("PUT", "PATCH"):
+            obj = (
+                self._patched(route, route.name, body)
+                if method == "PATCH"
+                else _sent_object(kind, body)
+            )
+            if method == "PUT" and self.server.backend.take_conflict():
                 raise ApiError(status_conflict(kind, route.name, STALE))
             return 200, store.update(
                 kind, namespace, route.name, obj, self.server.backend.checks(kind)
@@ -254,6 +259,15 @@ class _Handler(BaseHTTPRequestHandler):
         raise ApiError(
             build_status(405, "the server does not allow this method on the requested resource")
         )
+
+    def _patched(self, route: _Route, name: str, body: Object | None) -> Object:
+        """The stored object with a JSON merge patch applied (the only patch type served)."""
+        if self.headers.get("Content-Type") != MERGE_PATCH:
+            raise ApiError(build_status(415, f"the stand-in takes only {MERGE_PATCH} patches"))
+        stored = self.server.backend.store.get(route.kind, route.namespace or "", name)
+        patched = merge_patch(stored, _sent_object(route.kind, body))
+        assert isinstance(patched, dict)  # an object patched by an object
+        return patched
 
     def _watch(self, watch: _Watch) -> None:
         store, kind, selection = self.server.backend.store, watch.kind, watch.selection
@@ -341,6 +355,20 @@ def _parse_body(raw: bytes) -> Object | None:
     if not isinstance(body, dict):
         raise ApiError(build_status(400, "the request body must be a JSON object"))
     return body
+
+
+def merge_patch(target: object, patch: object) -> object:
+    """RFC 7386 JSON merge patch: objects merge key by key, null removes a key, the rest
+    replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
 
 
 def _as_seen(event: Event, selection: Selection) -> tuple[str, Object] | None:

@@ -2,7 +2,8 @@
 `kubernetes` client talks to it over HTTPS with a bearer token, as it would to a cluster.
 
 It serves, with the real server's status codes and `Status` bodies:
-- `GET /api/v1/nodes[/{name}]` (nodes are seeded with `put_node`);
+- `GET /api/v1/nodes[/{name}]` (nodes are seeded with `put_node`), and JSON merge patches
+  (`application/merge-patch+json`) of any named object;
 - `resource.k8s.io/v1` ResourceClaims: get and list (claims are seeded with `put_claim` and
   allocated with `set_allocation`, as the scheduler would);
 - `resource.k8s.io/v1` ResourceSlices: list (field selectors `metadata.name`, `spec.nodeName`,

@@ -12,7 +12,10 @@ import pytest
 from hostdev.config import DeviceMode, NodeLabelsConfig, default_config
 from hostdev.feature_file import FeatureFile
 from hostdev.label_publisher import LabelPublisher, feature_file_path
+from hostdev.node_patch import NodeLabeler
 from hostdev.simhost import BuildHost, unbind_driver
+from kubevirt_iommufd.apiserver_standin import running_apiserver
+from kubevirt_iommufd.cli import main
 from plugin_harness import H100, Plugin, plugin_starter, short_directory
 
 GPUS = [
@@ -178,3 +181,42 @@ def test_which_feature_file(
 ) -> None:
     config = replace(default_config(), node_labels=NodeLabelsConfig(features_dir))
     assert feature_file_path(option, config, root, "plugin") == expected
+
+
+def test_label_node_follows_the_devices_and_leaves_other_labels(
+    start_plugin: Callable[..., Plugin],
+) -> None:
+    theirs = {"kubernetes.io/hostname": "gpu-1", "kubevirt-iommufd.io/passthrough": "true"}
+    with running_apiserver() as api, api.api_client() as client:
+        api.put_node("gpu-1", theirs)
+        labeler = NodeLabeler(client, "gpu-1", retry_first=0.05)
+        labeler.start()
+        plugin = start_plugin(labels=LabelPublisher(node=labeler))
+
+        def on_node() -> dict[str, str]:
+            node = api.read("Node", "gpu-1")
+            assert node is not None
+            labels: dict[str, str] = node["metadata"]["labels"]
+            return labels
+
+        assert api.wait_until(lambda: on_node().get(COUNT) == "8")
+        assert on_node()["kubevirt-iommufd.io/iommufd"] == "true"
+        for gpu in GPUS:
+            unbind_driver(plugin.root, gpu)
+        assert api.wait_until(lambda: on_node().get(COUNT) == "0", EVENT_LATENCY)
+        assert on_node()["kubevirt-iommufd.io/iommufd"] == "false"
+        plugin.stop()
+        # Ours go on a clean stop; the passthrough label is the operator's, not a published one.
+        assert on_node() == theirs
+
+
+def test_label_node_needs_a_node_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    code = main(["plugin", "--root", str(tmp_path), "--label-node"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "kubevirt-iommufd plugin: --label-node needs the node's name: pass --node-name or set"
+        " NODE_NAME\n"
+    )

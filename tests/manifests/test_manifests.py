@@ -303,3 +303,54 @@ def test_the_documented_patch_narrows_the_policy(tmp_path: Path) -> None:
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     assert policy["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.20.0.0/24"}}]
     assert policy["spec"]["ingress"][0]["ports"] == [{"port": "https", "protocol": "TCP"}]
+
+
+def test_the_label_node_component_grants_nodes_get_and_patch_only(tmp_path: Path) -> None:
+    overlay = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(MANIFESTS / "overlays" / "self-signed", tmp_path)],
+        "components": [os.path.relpath(MANIFESTS / "components" / "label-node", tmp_path)],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    objects = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    for obj in objects:
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    spec = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    plugin = spec["containers"][0]
+    assert "--label-node" in plugin["args"]
+    assert plugin["env"] == [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    ]
+    assert spec["automountServiceAccountToken"] is True
+    role = next(
+        r
+        for r in by_kind(objects, "ClusterRole")
+        if r["metadata"]["name"] == "kubevirt-iommufd-plugin-node-labels"
+    )
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    binding = next(
+        b
+        for b in by_kind(objects, "ClusterRoleBinding")
+        if b["roleRef"]["name"] == "kubevirt-iommufd-plugin-node-labels"
+    )
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": spec["serviceAccountName"],
+            "namespace": NAMESPACE,
+        }
+    ]
+    # Without the component the plugin keeps no token: labels go through NFD's feature file.
+    base = one(render("self-signed"), "DaemonSet")["spec"]["template"]["spec"]
+    assert base["automountServiceAccountToken"] is False
+    assert "--label-node" not in base["containers"][0]["args"]
