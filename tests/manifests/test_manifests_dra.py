@@ -150,15 +150,16 @@ def test_the_config_the_driver_reads_is_the_shared_format() -> None:
 
 
 def test_every_binder_takes_the_hosts_binding_lock() -> None:
+    # Both open the lock under the root `/` of their own container; it must be the host's file.
     lock = Path("/", LOCK_PATH)
     (reserve,) = pod_spec()["initContainers"]
     for container in (reserve, driver_container()):
-        (lock_dir,) = [
-            (host_path, mount_path)
+        (host_dir,) = [
+            host_path
             for host_path, (mount_path, _) in mounted_host_paths(container).items()
-            if lock.is_relative_to(host_path)
+            if lock.is_relative_to(mount_path)
         ]
-        assert lock_dir == (str(lock.parent), str(lock.parent)), container["name"]
+        assert host_dir == str(lock.parent), container["name"]
 
 
 def probe_command(kind: str, socket_path: Path) -> list[str]:
