@@ -347,7 +347,8 @@ def test_the_label_node_component_grants_nodes_get_and_patch_only(tmp_path: Path
     objects = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
     for obj in objects:
         if obj["kind"] not in CUSTOM_KINDS:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            for version in (OLDEST_K8S_DEFAULT, LATEST_K8S):
+                kubernetes_validate.validate(obj, version, strict=True)
     spec = one(objects, "DaemonSet")["spec"]["template"]["spec"]
     plugin = spec["containers"][0]
     assert "--label-node" in plugin["args"]
