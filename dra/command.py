@@ -10,8 +10,10 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from hostdev.config import ConfigError, default_config, load_config
+from hostdev.label_publisher import add_label_arguments, build_label_publisher, feature_file_path
 from hostdev.pciids import PciIds
 
 DEFAULT_DRIVER = "vfio.kubevirt-iommufd.io"
@@ -21,6 +23,9 @@ DEFAULT_STATE_DIR = Path("/var/lib/kubevirt-iommufd/dra")
 _DNS_SUBDOMAIN = re.compile(
     r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 )
+if TYPE_CHECKING:
+    from hostdev.node_patch import NodeLabeler
+
 log = logging.getLogger("dra")
 
 
@@ -85,6 +90,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="how often the whole host is read again; on a node (--root /) kernel uevents"
         " also trigger a re-read of the devices they name (default: 5)",
     )
+    add_label_arguments(dra, "dra")
     dra.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     dra.set_defaults(run=run)
 
@@ -111,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubevirt-iommufd dra: {error}", file=sys.stderr)
         return 2
     try:
-        api = ResourceApi(load_api_client(args.kubeconfig))
+        api_client = load_api_client(args.kubeconfig)
+        api = ResourceApi(api_client)
     except Exception as error:
         print(
             f"kubevirt-iommufd dra: no API server configuration: {error}; run in a pod with a"
@@ -138,8 +145,13 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    labels = build_label_publisher(
+        feature_file_path(args.feature_file, config, args.root, "dra"),
+        "dra",
+        _node_labeler(api_client, args.node_name) if args.label_node else None,
+    )
     try:
-        driver = DraDriver(settings, config, names, api)
+        driver = DraDriver(settings, config, names, api, labels=labels)
         driver.start()
     except (HostdevError, StateError, OSError) as error:
         print(f"kubevirt-iommufd dra: {error}", file=sys.stderr)
@@ -148,6 +160,14 @@ def run(args: argparse.Namespace) -> int:
     driver.stop()
     log.info("stopped")
     return 0
+
+
+def _node_labeler(api_client: Any, node: str) -> NodeLabeler:
+    from hostdev.node_patch import NodeLabeler
+
+    labeler = NodeLabeler(api_client, node)
+    labeler.start()
+    return labeler
 
 
 def _check_args(args: argparse.Namespace) -> str | None:

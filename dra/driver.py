@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dra.api import ResourceApi
-from dra.devices import DraDevice, build_devices, judge_function
+from dra.devices import IOMMU_NODE, DraDevice, build_devices, judge_function
 from dra.kubelet_sockets import KubeletSockets
 from dra.prepare import ClaimPreparer, Paths
 from dra.publisher import SlicePublisher
@@ -27,7 +27,9 @@ from hostdev.bdf import Bdf
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
 from hostdev.errors import HostdevError
+from hostdev.label_publisher import LabelPublisher
 from hostdev.model import HostInventory
+from hostdev.node_labels import build_node_labels
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
 
@@ -48,9 +50,16 @@ class DriverSettings:
 
 class DraDriver:
     def __init__(
-        self, settings: DriverSettings, config: PluginConfig, names: PciIds, api: ResourceApi
+        self,
+        settings: DriverSettings,
+        config: PluginConfig,
+        names: PciIds,
+        api: ResourceApi,
+        *,
+        labels: LabelPublisher | None = None,
     ) -> None:
         self.settings = settings
+        self._labels = labels
         self._config = config
         self._names = names
         self._host_lock = threading.Lock()
@@ -88,6 +97,7 @@ class DraDriver:
         """Serve the kubelet first (GetInfo must answer at once), then publish in the background."""
         self.sockets.start()
         self.publisher.start()
+        self._publish_labels(self.devices)
         self._rescanner.start()
         if self._udev is not None:
             self._udev.start()
@@ -108,6 +118,8 @@ class DraDriver:
         self.publisher.stop()
         if self._rescanner.is_alive():
             self._rescanner.join()
+        if self._labels is not None:
+            self._labels.close()
 
     def rescan(self, changed: frozenset[Bdf] | None = None) -> None:
         """Read the `changed` functions (with their groups), or the whole host, again and
@@ -120,7 +132,23 @@ class DraDriver:
                     self.settings.root, self._inventory, _with_groups(self._inventory, changed)
                 )
             inventory = self._inventory
-        self.publisher.update(self._devices(inventory))
+        devices = self._devices(inventory)
+        self.publisher.update(devices)
+        self._publish_labels(devices)
+
+    def _publish_labels(self, devices: tuple[DraDevice, ...]) -> None:
+        """The node labels (hostdev.node_labels) from the published devices: per resource, how
+        many hand out their cdev and /dev/iommu."""
+        if self._labels is None:
+            return
+        counts: dict[str, int] = {}
+        for device in devices:
+            counts[device.resource] = counts.get(device.resource, 0) + int(
+                IOMMU_NODE in device.device_nodes
+            )
+        with self._host_lock:
+            capabilities = self._inventory.capabilities
+        self._labels.publish(build_node_labels(capabilities, counts))
 
     def _devices(self, inventory: HostInventory) -> tuple[DraDevice, ...]:
         """What to publish: every usable device, less the group companions of prepared ones (a
