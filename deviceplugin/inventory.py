@@ -138,7 +138,7 @@ def build_device_tree(
             and _same_objects(source.siblings, siblings)
         ):
             chosen = resource_for(function, config.resources, names, before.get(function.bdf))
-            resource, reset = chosen if chosen else (None, False)
+            resource, reset = (chosen[0], chosen[1].reset_after_use) if chosen else (None, False)
             device = (
                 _device(function, group, siblings, caps, config.device_mode, shared_nodes)
                 if resource

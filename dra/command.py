@@ -55,6 +55,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--root", type=Path, default=Path("/"), metavar="DIR", help="host root (default: /)"
     )
     dra.add_argument(
+        "--host-root",
+        type=Path,
+        default=Path("/"),
+        metavar="DIR",
+        help="where the host's / is mounted, for its /lib/modules and modprobe when a device is"
+        " bound to VFIO on demand (default: /)",
+    )
+    dra.add_argument(
         "--kubelet-dir",
         type=Path,
         default=DEFAULT_KUBELET_DIR,
@@ -136,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         rescan_interval=args.rescan_interval,
         watch_udev=args.root == Path("/"),
+        host_root=args.host_root,
     )
     stopping = threading.Event()
 

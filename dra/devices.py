@@ -16,8 +16,8 @@ from typing import Any
 
 from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
 from hostdev.bdf import Bdf
-from hostdev.config import PluginConfig
-from hostdev.model import HostInventory, IommuGroup, PciFunction
+from hostdev.config import Binding, PluginConfig, ResourceConfig
+from hostdev.model import HostCapabilities, HostInventory, IommuGroup, PciFunction, is_vfio_driver
 from hostdev.naming import nvidia_device_name
 from hostdev.pciids import PciIds
 from hostdev.selection import resource_for
@@ -48,6 +48,11 @@ class DraDevice:
     """Host paths the container gets: the cdev and /dev/iommu when iommufd can be used, and
     always (when present) /dev/vfio/vfio and the group node, which KubeVirt's DRA path uses."""
     group: int
+    bind_on_demand: bool = False
+    """On its host driver now: preparing a claim binds it (and its group) to VFIO first."""
+    nodes_pending: bool = False
+    """On VFIO, but some of its device nodes are not there yet (udev is still making them)."""
+    reset_after_use: bool = False
 
 
 def device_name(bdf: Bdf) -> str:
@@ -78,7 +83,14 @@ def judge_function(
     """The function as a published device, or why it is not one."""
     chosen = resource_for(function, config.resources, names)
     group = inventory.group_of(function)
-    problems = blockers(function, group, inventory.capabilities)
+    caps = inventory.capabilities
+    if (
+        chosen is not None
+        and chosen[1].binding is Binding.ON_DEMAND
+        and not is_vfio_driver(function.driver)
+    ):
+        return _judge_on_demand(function, group, caps, chosen, names)
+    problems = blockers(function, group, caps)
     # A function the drivers selector left out for its driver is best explained by that driver.
     if problems:
         return "; ".join(problems)
@@ -96,7 +108,56 @@ def judge_function(
         attributes=build_attributes(function, group, chosen[0], names, IOMMU_NODE in nodes),
         device_nodes=nodes,
         group=group.number,
+        nodes_pending=(caps.legacy_vfio_node_present and not group.legacy_node_present)
+        or (function.vfio_cdev is not None and not function.vfio_cdev_present),
+        reset_after_use=chosen[1].reset_after_use,
     )
+
+
+def _judge_on_demand(
+    function: PciFunction,
+    group: IommuGroup | None,
+    caps: HostCapabilities,
+    chosen: tuple[str, ResourceConfig],
+    names: PciIds,
+) -> DraDevice | str:
+    resource, config = chosen
+    problems = on_demand_gaps(function, group, caps)
+    if problems or group is None:
+        return "; ".join(problems)
+    # Its nodes exist only once it is bound, when a claim on it is prepared.
+    return DraDevice(
+        name=device_name(function.bdf),
+        bdf=function.bdf,
+        resource=resource,
+        attributes=build_attributes(
+            function, group, resource, names, caps.iommufd and caps.vfio_cdev is not False
+        ),
+        device_nodes=(),
+        group=group.number,
+        bind_on_demand=True,
+        reset_after_use=config.reset_after_use,
+    )
+
+
+def on_demand_gaps(
+    function: PciFunction, group: IommuGroup | None, caps: HostCapabilities
+) -> tuple[str, ...]:
+    """Why a function on its host driver could not be bound to VFIO for a claim, as far as the
+    host shows without trying; what only the attempt shows (a process holding the device, a
+    driver refusing to let go) is found when a claim is prepared."""
+    if not caps.iommu:
+        return ("no IOMMU: enable VT-d/AMD-Vi in the firmware and boot with intel_iommu=on",)
+    if function.is_bridge:
+        return ("a bridge: bridges cannot be assigned, only the devices behind them",)
+    if group is None:
+        return ("in no IOMMU group: the IOMMU does not cover it",)
+    if function.sriov is not None and function.sriov.num_vfs > 0:
+        return (
+            f"has {function.sriov.num_vfs} SR-IOV virtual functions enabled: set sriov_numvfs"
+            " to 0 to give the physical function to a VM",
+        )
+    return ()
 
 
 def _device_nodes(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dra.api import ResourceApi
+from dra.binding import OnDemandBinder
 from dra.devices import IOMMU_NODE, DraDevice, build_devices, judge_function
 from dra.kubelet_sockets import KubeletSockets
 from dra.prepare import ClaimPreparer, Paths
@@ -24,6 +25,7 @@ from dra.publisher import SlicePublisher
 from dra.servicer import DraServicerV1, DraServicerV1beta1
 from dra.state import ClaimStore
 from hostdev.bdf import Bdf
+from hostdev.bind import HostAccess
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
 from hostdev.errors import HostdevError
@@ -46,6 +48,8 @@ class DriverSettings:
     state_dir: Path
     rescan_interval: float = 5.0
     watch_udev: bool = False
+    host_root: Path = Path("/")
+    """Holds the host's /lib/modules and modprobe, for binding devices on demand."""
 
 
 class DraDriver:
@@ -66,6 +70,12 @@ class DraDriver:
         self._inventory = scan_host(settings.root)
         self.store = ClaimStore(settings.state_dir)
         self.store.load()
+        self.binder = OnDemandBinder(
+            HostAccess(root=settings.root, host_root=settings.host_root),
+            settings.state_dir / "bindings",
+        )
+        for line in self.binder.recover(c.uid for c in self.store):
+            log.warning("start-up recovery: %s", line)
         self.preparer = ClaimPreparer(
             settings.driver,
             settings.node,
@@ -74,6 +84,7 @@ class DraDriver:
             self.store,
             Paths(settings.cdi_dir, settings.state_dir / "metadata"),
             on_change=self._claims_changed,
+            binder=self.binder,
         )
         self.publisher = SlicePublisher(
             api, settings.node, settings.driver, self._devices(self._inventory)

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dra.api import ApiError
+from dra.binding import BindingError, OnDemandBinder
 from dra.cdi import PreparedDevice, build_cdi_ids, build_metadata, build_spec, spec_file_name
 from dra.claims import ClaimAllocation, ClaimError, ClaimRef, read_allocation
 from dra.devices import DraDevice, bdf_of_device
 from dra.state import ClaimStore, PreparedClaim, PreparedRecord, StateError
 from hostdev.atomic_file import write_file_atomically
 from hostdev.bdf import Bdf
+from hostdev.errors import HostdevError
 from hostdev.untrusted import quote_untrusted
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class ClaimPreparer:
         store: ClaimStore,
         paths: Paths,
         on_change: Callable[[], None] = lambda: None,
+        binder: OnDemandBinder | None = None,
     ) -> None:
         self._driver = driver
         self._pool = pool
@@ -75,6 +78,8 @@ class ClaimPreparer:
         self._store = store
         self._paths = paths
         self._on_change = on_change
+        self._binder = binder
+        """Binds on-demand devices; without one only devices already on VFIO are prepared."""
         """Told after a claim was prepared or forgotten: what may be published changed."""
         # One claim at a time: two claims racing for one device must not both see it free.
         self._lock = threading.Lock()
@@ -98,7 +103,7 @@ class ClaimPreparer:
             try:
                 self._unprepare_one(ref)
                 answers[ref.uid] = None
-            except (ClaimError, OSError, StateError) as error:
+            except (ClaimError, OSError, StateError, BindingError, HostdevError) as error:
                 message = f"{ref}: cannot clean up: {error}"
                 log.warning("unprepare failed: %s", quote_untrusted(message, 500))
                 answers[ref.uid] = message
@@ -108,7 +113,11 @@ class ClaimPreparer:
         _check_ref(ref)
         with self._lock:
             known = self._store.get(ref.uid)
-            if known is not None and all(Path(f).exists() for f in known.files):
+            if (
+                known is not None
+                and all(Path(f).exists() for f in known.files)
+                and self._still_bound(known)
+            ):
                 return known
             allocation = read_allocation(
                 self._claims.read_claim(ref.namespace, ref.name), ref, self._driver, self._pool
@@ -139,7 +148,7 @@ class ClaimPreparer:
                 )
             wanted[item.device] = bdf
         judged = self._judge(set(wanted.values()))
-        prepared: list[tuple[PreparedDevice, Bdf, int]] = []
+        devices: dict[Bdf, DraDevice] = {}
         for item in allocation.devices:
             bdf = wanted[item.device]
             device = judged.get(bdf, "gone from the host")
@@ -148,34 +157,68 @@ class ClaimPreparer:
                     f"{ref}: device {item.device} ({bdf}) cannot be given to a VM: {device};"
                     " fix the device (inspect shows why) and recreate the pod"
                 )
-            held = self._store.holder_of(device.group, besides=ref.uid)
-            if held is not None:
-                holder, record = held
-                what = (
-                    "is already prepared"
-                    if record.bdf == bdf
-                    else f"shares IOMMU group {device.group} with {record.device} ({record.bdf}),"
-                    " which is prepared"
-                )
-                raise ClaimError(
-                    f"{ref}: device {item.device} ({bdf}) {what} for claim"
-                    f" {holder.namespace}/{holder.name} (uid {holder.uid}); it is freed when"
-                    " that claim's pod is gone"
-                )
-            prepared.append(
-                (
-                    PreparedDevice(
-                        request=item.request,
-                        pool=item.pool,
-                        device=item.device,
-                        device_nodes=device.device_nodes,
-                        attributes=device.attributes,
-                    ),
-                    bdf,
-                    device.group,
-                )
+            self._check_group_free(ref, item.device, bdf, device.group)
+            devices[bdf] = device
+        to_bind = sorted(b for b, d in devices.items() if d.bind_on_demand)
+        if to_bind:
+            reset = any(devices[b].reset_after_use for b in to_bind)
+            devices |= self._bind(ref, to_bind, reset)
+        return [
+            (
+                PreparedDevice(
+                    request=item.request,
+                    pool=item.pool,
+                    device=item.device,
+                    device_nodes=devices[wanted[item.device]].device_nodes,
+                    attributes=devices[wanted[item.device]].attributes,
+                ),
+                wanted[item.device],
+                devices[wanted[item.device]].group,
             )
-        return prepared
+            for item in allocation.devices
+        ]
+
+    def _check_group_free(self, ref: ClaimRef, name: str, bdf: Bdf, group: int) -> None:
+        held = self._store.holder_of(group, besides=ref.uid)
+        if held is None:
+            return
+        holder, record = held
+        what = (
+            "is already prepared"
+            if record.bdf == bdf
+            else f"shares IOMMU group {group} with {record.device} ({record.bdf}), prepared"
+        )
+        raise ClaimError(
+            f"{ref}: device {name} ({bdf}) {what} for claim {holder.namespace}/{holder.name}"
+            f" (uid {holder.uid}); it is freed when that claim's pod is gone"
+        )
+
+    def _bind(self, ref: ClaimRef, bdfs: Sequence[Bdf], reset: bool) -> dict[Bdf, DraDevice]:
+        """Bind on-demand devices to VFIO for the claim; their devices as they are then."""
+        if self._binder is None:
+            raise ClaimError(f"{ref}: devices {', '.join(map(str, bdfs))} are not on VFIO")
+        latest: dict[Bdf, DraDevice | str] = {}
+
+        def ready() -> bool:
+            latest.update(self._judge(bdfs))
+            return all(
+                isinstance(d, DraDevice) and not d.bind_on_demand and not d.nodes_pending
+                for d in latest.values()
+            )
+
+        try:
+            self._binder.bind(ref.uid, bdfs, reset, ready)
+        except BindingError as error:
+            raise ClaimError(f"{ref}: {error}") from error
+        return {b: d for b, d in latest.items() if isinstance(d, DraDevice)}
+
+    def _still_bound(self, claim: PreparedClaim) -> bool:
+        """Whether a claim's on-demand devices are still on VFIO (a reboot puts them back on
+        their host drivers while the claim stays prepared)."""
+        if self._binder is None or not self._binder.holds(claim.uid):
+            return True
+        judged = self._judge([d.bdf for d in claim.devices])
+        return all(isinstance(d, DraDevice) and not d.bind_on_demand for d in judged.values())
 
     def _write(
         self, allocation: ClaimAllocation, devices: Sequence[tuple[PreparedDevice, Bdf, int]]
@@ -219,6 +262,9 @@ class ClaimPreparer:
             for name in known.files if known else ():
                 Path(name).unlink(missing_ok=True)
             shutil.rmtree(self._paths.metadata_root(ref.uid), ignore_errors=True)
+            # The record goes last: while the devices are not back, their group stays held.
+            if self._binder is not None:
+                self._binder.release(ref.uid)
             self._store.forget(ref.uid)
         if known is not None:
             log.info("unprepared %s", quote_untrusted(str(ref)))

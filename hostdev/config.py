@@ -41,6 +41,17 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and the fix."""
 
 
+class Binding(Enum):
+    """When the DRA driver's devices get onto a VFIO driver."""
+
+    STATIC = "static"
+    """Already there (an admin's `bind`, the init container): only VFIO-bound devices are
+    published."""
+    ON_DEMAND = "on-demand"
+    """Devices on their host driver are published too and bound to VFIO when a VM's claim is
+    prepared, then given back when it is released. The device plugin ignores it."""
+
+
 class DeviceMode(Enum):
     """Which device nodes Allocate hands out for VFIO resources."""
 
@@ -73,6 +84,7 @@ class ResourceConfig:
     reset_after_use: bool = False
     """Reset a device through sysfs once the pod that had it is gone, and offer it again only
     then (assignments come from the kubelet's pod resources API)."""
+    binding: Binding = Binding.STATIC
 
     @property
     def auto_name(self) -> bool:
@@ -235,18 +247,25 @@ def _pod_resources(data: object, key: str) -> PodResourcesConfig:
 
 def _resource(data: object, key: str) -> ResourceConfig:
     item = _mapping(data, key)
-    _known_keys(item, key, {"resourceName", "autoName", "selectors", "resetAfterUse"})
+    _known_keys(item, key, {"resourceName", "autoName", "selectors", "resetAfterUse", "binding"})
     selectors = _selectors(item.get("selectors", {}), f"{key}.selectors")
     reset = item.get("resetAfterUse", False)
     if not isinstance(reset, bool):
         raise ConfigError(f"{key}.resetAfterUse: expected true or false, got {_kind(reset)}")
+    binding_text = _string(item.get("binding", Binding.STATIC.value), f"{key}.binding")
+    try:
+        binding = Binding(binding_text)
+    except ValueError:
+        raise ConfigError(
+            f'{key}.binding: expected "static" or "on-demand", got {binding_text!r}'
+        ) from None
     if "resourceName" in item and "autoName" in item:
         raise ConfigError(f"{key}: give resourceName or autoName, not both")
     if "autoName" in item:
         style = _string(item["autoName"], f"{key}.autoName")
         if style != "nvidia":
             raise ConfigError(f'{key}.autoName: expected "nvidia", got {style!r}')
-        return ResourceConfig(selectors, reset_after_use=reset)
+        return ResourceConfig(selectors, reset_after_use=reset, binding=binding)
     if "resourceName" not in item:
         raise ConfigError(f"{key}: missing resourceName (or autoName: nvidia)")
     name = validate_resource_name(
@@ -254,7 +273,7 @@ def _resource(data: object, key: str) -> ResourceConfig:
     )
     if selectors == Selectors():
         raise ConfigError(f"{key}.selectors: give at least one selector, or every device matches")
-    return ResourceConfig(selectors, resource_name=name, reset_after_use=reset)
+    return ResourceConfig(selectors, resource_name=name, reset_after_use=reset, binding=binding)
 
 
 def validate_resource_name(name: str, key: str = "resourceName") -> str:

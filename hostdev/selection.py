@@ -14,8 +14,8 @@ def resource_for(
     resources: tuple[ResourceConfig, ...],
     names: PciIds,
     previous_resource: str | None = None,
-) -> tuple[str, bool] | None:
-    """The resource a function joins, and whether that resource resets devices after use.
+) -> tuple[str, ResourceConfig] | None:
+    """The name of the resource a function joins, and that resource's configuration.
 
     The first resource whose identity selectors match wins. Its `drivers` selector decides only
     whether the function joins: one that already belonged (`previous_resource`) stays while its
@@ -26,7 +26,7 @@ def resource_for(
             continue
         name = resource_name(function, resource, names)
         if name == previous_resource or matches_driver(function, resource.selectors):
-            return name, resource.reset_after_use
+            return name, resource
     return None
 
 
