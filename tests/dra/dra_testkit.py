@@ -10,14 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from dra.api import ApiError
+from dra.binding import OnDemandBinder
 from dra.claims import ClaimRef
 from dra.devices import DraDevice, judge_function
 from dra.prepare import ClaimPreparer, Paths
 from dra.state import ClaimStore
 from hostdev.bdf import Bdf
-from hostdev.config import default_config
+from hostdev.bind import HostAccess
+from hostdev.config import PluginConfig, default_config
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
+from hostdev.simkernel import KernelSimulator
 
 DRIVER = "vfio.kubevirt-iommufd.io"
 NODE = "node-a"
@@ -55,18 +58,38 @@ class Claims:
 
 
 class Node:
-    def __init__(self, root: Path, tmp: Path) -> None:
+    """A simulated node's preparer; with `kernel`, one that binds devices on demand through a
+    kernel simulator (and its own binding lock under the node's root)."""
+
+    def __init__(
+        self,
+        root: Path,
+        tmp: Path,
+        config: PluginConfig | None = None,
+        kernel: KernelSimulator | None = None,
+    ) -> None:
         self.root = root
         self.claims = Claims()
         self.paths = Paths(tmp / "cdi", tmp / "state" / "metadata")
         self.state_dir = tmp / "state"
         self.names = PciIds(None)
+        self.config = config or default_config()
+        self.kernel = kernel
+        self.lock_wait = 1.0
         self.preparer = self.start()
+
+    def binder(self) -> OnDemandBinder | None:
+        if self.kernel is None:
+            return None
+        access = HostAccess(root=self.root, writer=self.kernel, runner=self.kernel.run)
+        return OnDemandBinder(
+            access, self.state_dir / "bindings", lock_wait=self.lock_wait, nodes_wait=1.0
+        )
 
     def judge(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
         inventory = scan_host(self.root)
         return {
-            b: judge_function(f, inventory, default_config(), self.names)
+            b: judge_function(f, inventory, self.config, self.names)
             if (f := inventory.function(b))
             else "gone from the host"
             for b in bdfs
@@ -76,7 +99,9 @@ class Node:
         """A fresh preparer over the same directories, as after a restart of the driver."""
         store = ClaimStore(self.state_dir)
         store.load()
-        return ClaimPreparer(DRIVER, NODE, self.claims, self.judge, store, self.paths)
+        return ClaimPreparer(
+            DRIVER, NODE, self.claims, self.judge, store, self.paths, binder=self.binder()
+        )
 
 
 REF = ClaimRef("vms", "vm-gpus", "a1b2c3d4-0000-4000-8000-000000000001")

@@ -25,8 +25,8 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
+from hostdev.simkernel import KernelSimulator
 from kubevirt_iommufd import bind_command
-from sysfs_simulator import KernelSimulator
 
 HOLDER = textwrap.dedent(
     """

@@ -1,4 +1,4 @@
-"""Binding and unbinding against fixture trees that react like the kernel (sysfs_simulator):
+"""Binding and unbinding against fixture trees that react like the kernel (simkernel):
 the writes made, every refusal, waiting, and the rollback when a step fails."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hostdev.simhost import (
     no_iommu,
     sriov_nic,
 )
-from sysfs_simulator import KernelSimulator, hold, release
+from hostdev.simkernel import KernelSimulator, hold, release
 
 B = Bdf.parse
 GPU = "0000:3b:00.0"

@@ -23,8 +23,8 @@ from hostdev.simhost import (
     HostSpec,
     hgx_h100,
 )
+from hostdev.simkernel import KernelSimulator, hold
 from kubevirt_iommufd import bind_command
-from sysfs_simulator import KernelSimulator, hold
 
 GPU = "0000:3b:00.0"
 AUDIO = "0000:3b:00.1"

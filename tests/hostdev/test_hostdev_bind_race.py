@@ -9,7 +9,7 @@ from typing import Any
 
 from bind_race import race_worker
 from hostdev.simhost import BuildHost, FunctionSpec, HostSpec
-from sysfs_simulator import KernelSimulator
+from hostdev.simkernel import KernelSimulator
 
 DEVICE = "0000:00:04.0"
 ROUNDS = 24

@@ -13,7 +13,7 @@ from hostdev.report import NO_RESET_WARNING, build_report, render_table
 from hostdev.reset import ResetStatus, reset_function
 from hostdev.scan import read_reset_methods, refresh_host, scan_host
 from hostdev.simhost import CLASS_3D, NVIDIA, BuildHost, FunctionSpec, HostSpec
-from sysfs_simulator import KernelSimulator, hold
+from hostdev.simkernel import KernelSimulator, hold
 
 GPU = "0000:18:00.0"
 OLD = "0000:19:00.0"

@@ -35,12 +35,18 @@ class KernelSimulator:
     rejects: dict[str, set[str]] = field(default_factory=dict)
     """driver -> BDFs its probe refuses (ENODEV)."""
     missing_modules: set[str] = field(default_factory=set)
+    legacy_container: bool = True
+    """Loading a VFIO driver brings up the legacy container `/dev/vfio/vfio`
+    (CONFIG_VFIO_CONTAINER), as the vfio module does."""
     commands: list[list[str]] = field(default_factory=list)
     _failures: list[tuple[Condition, int]] = field(default_factory=list)
 
     def fail(self, when: Condition, code: int = errno.EIO) -> None:
         """Every later write for which `when` holds fails with `code`."""
         self._failures.append((when, code))
+
+    def clear_failures(self) -> None:
+        self._failures.clear()
 
     # SysfsWriter ----------------------------------------------------------------------------
     def write(self, path: Path, text: str) -> None:
@@ -143,6 +149,9 @@ class KernelSimulator:
         # vfio_pci registers its driver as vfio-pci; variant drivers use the module name.
         name = "vfio-pci" if module == "vfio_pci" else module
         (self.root / "sys/bus/pci/drivers" / name).mkdir(parents=True, exist_ok=True)
+        if is_vfio_driver(name) and self.legacy_container:
+            (self.root / "dev/vfio").mkdir(parents=True, exist_ok=True)
+            (self.root / "dev/vfio/vfio").touch()
         return subprocess.CompletedProcess(list(argv), 0, "", "")
 
     # Reading the tree back ------------------------------------------------------------------

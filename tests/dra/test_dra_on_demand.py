@@ -1,0 +1,229 @@
+"""On-demand binding: a GPU on its host driver is published, bound to VFIO (with its group and
+companions) when a claim on it is prepared, and given back when the claim is released — through
+the kernel simulator, with the node's binding lock, refusing and rolling back as `bind` does."""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from cdi_schema import validate_cdi_spec
+from dra.binding import JournalEntry, Moved
+from dra.devices import build_devices
+from dra.state import PreparedClaim
+from dra_testkit import REF, Node
+from hostdev.bdf import Bdf
+from hostdev.binding_lock import hold_binding_lock
+from hostdev.config import Binding, PluginConfig, ResourceConfig, Selectors
+from hostdev.scan import scan_host
+from hostdev.simhost import (
+    CLASS_PCI_BRIDGE,
+    BuildHost,
+    FunctionSpec,
+    HostSpec,
+)
+from hostdev.simkernel import KernelSimulator, hold
+
+NVIDIA = 0x10DE
+GPU, AUDIO, BRIDGE = "0000:3b:00.0", "0000:3b:00.1", "0000:3a:00.0"
+GPU_DEVICE = "pci-0000-3b-00-0"
+ON_DEMAND = PluginConfig(
+    resources=(
+        ResourceConfig(
+            Selectors(vendors=(NVIDIA,), classes=("0300",)),
+            resource_name="nvidia.com/GA102",
+            binding=Binding.ON_DEMAND,
+        ),
+    )
+)
+
+
+def desktop_gpu() -> HostSpec:
+    """A VGA GPU on nvidia with its HD-audio function on snd_hda_intel, in group 14 with the
+    root port above them."""
+    return HostSpec(
+        (
+            FunctionSpec(BRIDGE, 0x8086, 0x352A, CLASS_PCI_BRIDGE, driver="pcieport", group=14),
+            FunctionSpec(
+                GPU, NVIDIA, 0x2204, 0x030000, driver="nvidia", group=14, parent=BRIDGE,
+                consumers=(AUDIO,),
+            ),
+            FunctionSpec(
+                AUDIO, NVIDIA, 0x1AEF, 0x040300, driver="snd_hda_intel", group=14, parent=BRIDGE
+            ),
+        )
+    )  # fmt: skip
+
+
+@pytest.fixture
+def node(build_host: BuildHost, tmp_path: Path) -> Node:
+    spec = desktop_gpu()
+    root = build_host(spec)
+    native = {f.bdf: f.driver for f in spec.functions if f.driver is not None}
+    return Node(root, tmp_path / "node", ON_DEMAND, KernelSimulator(root, native))
+
+
+def drivers(node: Node) -> dict[str, tuple[str | None, str | None]]:
+    assert node.kernel is not None
+    return {b: (node.kernel.driver(b), node.kernel.override(b)) for b in (GPU, AUDIO)}
+
+
+BEFORE = {GPU: ("nvidia", None), AUDIO: ("snd_hda_intel", None)}
+
+
+def test_a_gpu_on_its_host_driver_is_published_with_its_driver(node: Node) -> None:
+    (device,) = build_devices(scan_host(node.root), ON_DEMAND, node.names)
+    assert device.name == GPU_DEVICE and device.bind_on_demand
+    assert device.attributes["currentDriver"] == "nvidia"
+    assert device.device_nodes == ()
+
+
+def test_prepare_binds_the_group_and_unprepare_gives_it_back(node: Node) -> None:
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim), answer
+    assert drivers(node) == {GPU: ("vfio-pci", "vfio-pci"), AUDIO: ("vfio-pci", "vfio-pci")}
+    spec = json.loads(Path(answer.files[0]).read_text())
+    validate_cdi_spec(spec)
+    nodes = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+    assert nodes[0].startswith("/dev/vfio/devices/vfio") and "/dev/vfio/14" in nodes
+    for path in nodes:
+        assert (node.root / path.lstrip("/")).exists(), path
+    # The NVIDIA driver let go of the GPU through its unbindLock before the unbind.
+    assert node.kernel is not None
+    writes = [w for w, _ in node.kernel.writes]
+    assert writes.index(f"proc/driver/nvidia/gpus/{GPU}/unbindLock") < writes.index(
+        f"sys/bus/pci/devices/{GPU}/driver/unbind"
+    )
+    # A retry answers the same without binding again.
+    count = len(node.kernel.writes)
+    assert node.preparer.prepare([REF])[REF.uid] == answer
+    assert len(node.kernel.writes) == count
+
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
+    assert drivers(node) == BEFORE
+    assert not list((node.state_dir / "bindings").glob("*.json"))
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
+
+
+def test_a_held_device_is_refused_naming_the_holder_and_nothing_changes(node: Node) -> None:
+    hold(node.root, 4242, "nvidia-smi", "/dev/nvidia0")
+    (node.root / "proc/driver/nvidia/gpus" / GPU / "information").write_text("Device Minor: 0\n")
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, str)
+    assert "nvidia-smi" in answer and "4242" in answer and "vm-gpus" in answer
+    assert drivers(node) == BEFORE
+    assert not list((node.state_dir / "bindings").glob("*.json"))
+
+
+def test_a_failed_bind_is_rolled_back(node: Node) -> None:
+    assert node.kernel is not None
+    node.kernel.fail(
+        lambda path, text: path == "sys/bus/pci/drivers/vfio-pci/bind" and text == AUDIO
+    )
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, str) and "undone" in answer
+    assert drivers(node) == BEFORE
+    assert not list((node.state_dir / "bindings").glob("*.json"))
+
+
+def test_another_binding_run_is_waited_for_then_named(node: Node) -> None:
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    node.lock_wait = 0.3
+    preparer = node.start()
+    taken, done = threading.Event(), threading.Event()
+
+    def admin() -> None:
+        with hold_binding_lock(node.root, 0, who="bind 0000:3b:00.0"):
+            taken.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=admin)
+    thread.start()
+    try:
+        taken.wait(5)
+        answer = preparer.prepare([REF])[REF.uid]
+    finally:
+        done.set()
+        thread.join()
+    assert isinstance(answer, str)
+    assert "bind 0000:3b:00.0" in answer and "the kubelet retries" in answer
+    assert drivers(node) == BEFORE
+    # Once the other run is done, the kubelet's retry succeeds.
+    assert isinstance(preparer.prepare([REF])[REF.uid], PreparedClaim)
+
+
+def test_a_bind_interrupted_by_a_crash_is_put_back_at_start(node: Node) -> None:
+    # The driver wrote its journal, moved the GPU, and died before the audio function.
+    journal = JournalEntry(
+        REF.uid,
+        "binding",
+        (Moved(Bdf.parse(GPU), "nvidia", None), Moved(Bdf.parse(AUDIO), "snd_hda_intel", None)),
+        reset_after_use=False,
+    )
+    path = node.state_dir / "bindings" / f"{REF.uid}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(journal.to_json()))
+    assert node.kernel is not None
+    devices = node.root / "sys/bus/pci/devices"
+    node.kernel.run(["modprobe", "vfio_pci"])
+    node.kernel.write(devices / GPU / "driver_override", "vfio-pci")
+    node.kernel.write(devices / GPU / "driver/unbind", GPU)
+    node.kernel.write(node.root / "sys/bus/pci/drivers/vfio-pci/bind", GPU)
+    assert drivers(node)[GPU] == ("vfio-pci", "vfio-pci")
+    binder = node.binder()
+    assert binder is not None
+    done = binder.recover(prepared=[])
+    assert len(done) == 1 and "a bind was interrupted" in done[0] and GPU in done[0]
+    assert drivers(node) == BEFORE
+    assert not path.exists()
+
+
+def test_a_prepared_claims_binding_is_kept_at_start(node: Node) -> None:
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    assert isinstance(node.preparer.prepare([REF])[REF.uid], PreparedClaim)
+    binder = node.binder()
+    assert binder is not None
+    assert binder.recover(prepared=[REF.uid]) == []
+    assert drivers(node)[GPU][0] == "vfio-pci"
+    # Not prepared any more (its record lost): given back.
+    assert "no longer prepared" in binder.recover(prepared=[])[0]
+    assert drivers(node) == BEFORE
+
+
+def test_after_a_reboot_a_still_prepared_claim_is_bound_again(node: Node) -> None:
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    first = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(first, PreparedClaim)
+    assert node.kernel is not None
+    # A reboot: every function back on the driver the kernel picks, no overrides.
+    for bdf in (GPU, AUDIO):
+        node.kernel.write(node.root / "sys/bus/pci/devices" / bdf / "driver_override", "\n")
+        node.kernel.write(node.root / "sys/bus/pci/devices" / bdf / "driver/unbind", bdf)
+        node.kernel.write(node.root / "sys/bus/pci/drivers_probe", bdf)
+    assert drivers(node) == BEFORE
+    again = node.start().prepare([REF])[REF.uid]
+    assert isinstance(again, PreparedClaim)
+    assert drivers(node)[GPU][0] == "vfio-pci"
+
+
+def test_io_errors_on_give_back_keep_the_claim_and_say_so(node: Node) -> None:
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    assert isinstance(node.preparer.prepare([REF])[REF.uid], PreparedClaim)
+    assert node.kernel is not None
+    node.kernel.fail(lambda path, text: path.endswith("driver/unbind"), errno.EBUSY)
+    answer = node.preparer.unprepare([REF])[REF.uid]
+    assert answer is not None and "vm-gpus" in answer
+    # Still recorded and journaled: the group stays held while it is on VFIO, and the
+    # kubelet's retry gives it back once the device lets go.
+    assert (node.state_dir / "claims" / f"{REF.uid}.json").exists()
+    assert (node.state_dir / "bindings" / f"{REF.uid}.json").exists()
+    node.kernel.clear_failures()
+    assert node.start().unprepare([REF]) == {REF.uid: None}
+    assert drivers(node) == BEFORE
