@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hostdev.binding_lock import BindingLock, BindingLockBusy, hold_binding_lock
-
 from hostdev.atomic_file import sync_directory, write_file_atomically
 from hostdev.bdf import Bdf
 from hostdev.bind import HostAccess, Outcome, Status, bind_devices, unbind_devices
 from hostdev.bind_plan import AUTO, BindRequest
+from hostdev.binding_lock import BindingLock, BindingLockBusy, hold_binding_lock
 from hostdev.errors import HostdevError
 from hostdev.model import is_vfio_driver
 from hostdev.reset import ResetStatus, reset_function
