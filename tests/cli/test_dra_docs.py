@@ -37,6 +37,8 @@ def test_every_flag_is_documented_with_its_default() -> None:
             assert documented[flag] == "required", flag
         elif action.default is None:
             assert documented[flag] != "required", flag
+        elif isinstance(action, argparse._StoreTrueAction):
+            assert documented[flag] == "off", flag
         else:
             assert documented[flag].strip("`") == str(action.default).removesuffix(".0"), flag
 
