@@ -103,15 +103,9 @@ class ClaimStore:
         look at, never silently dropped (its devices stay unknown to us, not free)."""
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
-            paths = sorted(self._dir.glob("*.json"))
         except OSError as error:
             raise StateError(f"state directory {self._dir}: {error.strerror}") from error
-        for path in paths:
-            try:
-                claim = PreparedClaim.from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError) as error:
-                log.error("unreadable prepared-claim record %s: %s; left in place", path, error)
-                continue
+        for claim in read_prepared_claims(self._dir.parent):
             self._claims[claim.uid] = claim
 
     def get(self, uid: str) -> PreparedClaim | None:
@@ -160,3 +154,20 @@ class ClaimStore:
             raise StateError(f"cannot remove {path}: {error.strerror}") from error
         with self._lock:
             self._claims.pop(uid, None)
+
+
+def read_prepared_claims(state_dir: Path) -> tuple[PreparedClaim, ...]:
+    """The prepared claims recorded under `state_dir` (none when it has no records), changing
+    nothing; an unreadable record is logged and skipped."""
+    directory = state_dir / "claims"
+    try:
+        paths = sorted(directory.glob("*.json"))
+    except OSError as error:
+        raise StateError(f"state directory {directory}: {error.strerror}") from error
+    claims: list[PreparedClaim] = []
+    for path in paths:
+        try:
+            claims.append(PreparedClaim.from_json(json.loads(path.read_text())))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            log.error("unreadable prepared-claim record %s: %s; left in place", path, error)
+    return tuple(claims)

@@ -25,9 +25,12 @@ def build_report(
     names: PciIds,
     only: Iterable[Bdf] = (),
     labels: Mapping[str, str] | None = None,
+    claims: Mapping[Bdf, str] | None = None,
 ) -> Document:
     """The report for every function, or for the groups of the functions in `only`; with the
-    node labels (`hostdev.node_labels`) the node would get when `labels` is given."""
+    node labels (`hostdev.node_labels`) the node would get when `labels` is given, and, when
+    `claims` is given (the DRA driver's state was read), the claim each function is prepared
+    for."""
     wanted = set(only)
     functions = [
         f
@@ -35,6 +38,9 @@ def build_report(
         if not wanted or f.bdf in wanted or _shares_group(f, wanted, inventory)
     ]
     devices = [_device(f, inventory, names) for f in functions]
+    if claims is not None:
+        for function, device in zip(functions, devices, strict=True):
+            device["prepared_for"] = claims.get(function.bdf)
     groups: dict[int | None, list[Document]] = {}
     for function, device in zip(functions, devices, strict=True):
         groups.setdefault(function.iommu_group, []).append(device)
@@ -222,8 +228,9 @@ def _shorten(text: str) -> str:
 
 
 def _verdict(device: Document) -> str:
+    claim = f"; prepared for {device['prepared_for']}" if device.get("prepared_for") else ""
     if device["backend"] == "iommufd":
-        return "yes (iommufd)"
+        return f"yes (iommufd){claim}"
     if device["backend"] == "legacy":
-        return f"yes (legacy VFIO; {'; '.join(device['reasons'])})"
-    return f"no: {'; '.join(device['reasons'])}"
+        return f"yes (legacy VFIO; {'; '.join(device['reasons'])}){claim}"
+    return f"no: {'; '.join(device['reasons'])}{claim}"

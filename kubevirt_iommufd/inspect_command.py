@@ -17,6 +17,8 @@ from hostdev.report import SCHEMA, build_report, render_table
 from hostdev.scan import scan_host
 from hostdev.simhost import SCENARIOS, build_tree
 
+DRA_STATE_DIR = "var/lib/kubevirt-iommufd/dra"
+
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inspect = commands.add_parser(
@@ -63,6 +65,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the device plugin's configuration, for the node labels (default: the built-in"
         " one: NVIDIA GPUs and NVSwitches on VFIO drivers)",
     )
+    inspect.add_argument(
+        "--dra-state-dir",
+        metavar="DIR",
+        help="the DRA driver's --state-dir, to show which claim each device is prepared for"
+        " (default: var/lib/kubevirt-iommufd/dra under --root, when it exists)",
+    )
     inspect.set_defaults(run=run)
 
 
@@ -85,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         )
     counts = count_iommufd_devices(inventory, config, names)
     labels = build_node_labels(inventory.capabilities, counts)
-    report = build_report(inventory, names, only, labels)
+    report = build_report(inventory, names, only, labels, _prepared(args))
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -112,3 +120,25 @@ def _pci_ids(option: str | None) -> PciIds:
     if not path.is_file():
         raise HostdevError(f"pci.ids file {option!r} not found; pass an existing file or 'none'")
     return PciIds(path)
+
+
+def _prepared(args: argparse.Namespace) -> dict[Bdf, str] | None:
+    """Which claim the DRA driver prepared each function for, from its state directory; None
+    when there is none to read (no DRA driver on this node, or a simulated node)."""
+    from dra.state import StateError, read_prepared_claims
+
+    if args.dra_state_dir is not None:
+        state_dir = Path(args.dra_state_dir)
+        if not state_dir.is_dir():
+            raise HostdevError(f"--dra-state-dir {state_dir} is not a directory")
+    elif args.example:
+        return None
+    else:
+        state_dir = Path(args.root) / DRA_STATE_DIR
+        if not state_dir.is_dir():
+            return None
+    try:
+        claims = read_prepared_claims(state_dir)
+    except StateError as error:
+        raise HostdevError(str(error)) from None
+    return {d.bdf: f"claim {c.namespace}/{c.name} (uid {c.uid})" for c in claims for d in c.devices}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -226,4 +227,24 @@ def test_io_errors_on_give_back_keep_the_claim_and_say_so(node: Node) -> None:
     assert (node.state_dir / "bindings" / f"{REF.uid}.json").exists()
     node.kernel.clear_failures()
     assert node.start().unprepare([REF]) == {REF.uid: None}
+    assert drivers(node) == BEFORE
+
+
+def test_reset_after_use_resets_before_giving_back(build_host: BuildHost, tmp_path: Path) -> None:
+    spec = desktop_gpu()
+    root = build_host(spec)
+    native = {f.bdf: f.driver for f in spec.functions if f.driver is not None}
+    (resource,) = ON_DEMAND.resources
+    config = PluginConfig(resources=(replace(resource, reset_after_use=True),))
+    node = Node(root, tmp_path / "node", config, KernelSimulator(root, native))
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    assert isinstance(node.preparer.prepare([REF])[REF.uid], PreparedClaim)
+    assert node.kernel is not None
+    assert node.kernel.resets == []
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
+    assert node.kernel.resets == [GPU, AUDIO]
+    writes = [w for w, _ in node.kernel.writes]
+    assert writes.index(f"sys/bus/pci/devices/{GPU}/reset") < writes.index(
+        f"sys/bus/pci/devices/{GPU}/driver/unbind", writes.index(f"sys/bus/pci/devices/{GPU}/reset")
+    )
     assert drivers(node) == BEFORE
