@@ -100,12 +100,17 @@ def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
         str(kubelet / "plugins_registry"),
         str(args.cdi_dir),
         str(STATE_ROOT),
+        "/",
     }
     # The kubelet dials the socket paths the driver reports, the runtime reads CDI specs from the
     # host, and bind-mounts metadata files from the host paths in the CDI spec: every path the
     # driver hands out must mean the same on the host.
     for host_path, (mount_path, _) in mounts.items():
-        assert mount_path == host_path
+        if host_path != "/":
+            assert mount_path == host_path
+    # The host's root, read-only, only for modprobe and modules.alias when binding on demand.
+    assert mounts["/"][0] == str(args.host_root)
+    assert mounts["/"][1]["readOnly"] is True
     assert mounts["/dev"][1]["readOnly"] is True
     assert mounts["/sys"][1].get("readOnly") is not True, "binding on demand writes sysfs"
     for path in (
@@ -115,9 +120,8 @@ def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
         args.state_dir / "metadata",
     ):
         assert any(path.is_relative_to(host_path) for host_path in mounts), path
-    # Neither the host's root nor its /proc: with the host's PID namespace the pod's /proc is
-    # the host's.
-    assert "/" not in mounts and "/proc" not in mounts
+    # Not the host's /proc: with the host's PID namespace the pod's /proc is the host's.
+    assert "/proc" not in mounts
     assert pod_spec()["hostPID"] is True
     assert pod_spec()["hostNetwork"] is True, "kernel uevents reach only the host's netns"
     security = container["securityContext"]
@@ -144,7 +148,7 @@ def test_the_config_the_driver_reads_is_the_shared_format() -> None:
     reservations = Path(from_config.split("=", 1)[1])
     assert reservations.parent == args.config.parent
     assert reservations.name in config_map["data"]
-    # Only the init container sees the host's root (for modprobe), read-only.
+    # The init container sees the host's root (for modprobe) read-only too.
     init_mounts = mounted_host_paths(reserve)
     assert init_mounts["/"][1]["readOnly"] is True
 
