@@ -191,9 +191,10 @@ def _run(
             with held as taken:
                 # The plan comes from the host as read now, under the lock: what another run
                 # changed while this one waited is seen.
-                outcome = _attempt(access, action, make_plan, taken, dry_run, start)
+                waited = min(access.clock() - start, wait_seconds)
+                outcome = _attempt(access, action, make_plan, taken, dry_run, waited)
         except BindingLockBusy as busy:
-            return _lock_refusal(action, busy, access.clock() - start)
+            return _lock_refusal(action, busy, min(access.clock() - start, wait_seconds))
         waited = access.clock() - start
         clears_by_itself = outcome.status is Status.REFUSED and outcome.plan.only_busy
         if not clears_by_itself or dry_run or waited >= wait_seconds:
@@ -207,10 +208,9 @@ def _attempt(
     make_plan: Callable[[HostInventory], BindPlan],
     lock: BindingLock | None,
     dry_run: bool,
-    start: float,
+    waited: float,
 ) -> Outcome:
     plan = make_plan(scan_host(access.root))
-    waited = access.clock() - start
     if plan.refused:
         return Outcome(action, Status.REFUSED, plan, waited_seconds=waited)
     if not plan.moves:

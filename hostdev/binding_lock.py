@@ -169,7 +169,7 @@ def _acquire(
         holder = _read_fd_holder(fd)
         waited = clock() - start
         if waited >= wait_seconds:
-            raise BindingLockBusy(path, holder, waited)
+            raise BindingLockBusy(path, holder, min(waited, wait_seconds))
         # Said once when the wait starts, again when another run takes over; a holder that has
         # not written itself yet (None) is not news after the first time.
         if on_wait is not None and (
