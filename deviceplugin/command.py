@@ -159,7 +159,8 @@ def apply_flags(config: PluginConfig, args: argparse.Namespace) -> PluginConfig:
 
 
 def _node_labeler(args: argparse.Namespace) -> NodeLabeler:
-    from hostdev.node_patch import NodeLabeler, load_api_client
+    from hostdev.kube_client import load_api_client
+    from hostdev.node_patch import NodeLabeler
 
     if not args.node_name:
         raise ValueError("--label-node needs the node's name: pass --node-name or set NODE_NAME")

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import urllib3
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
@@ -38,15 +37,6 @@ class ApiError(Exception):
     @property
     def not_found(self) -> bool:
         return self.status == 404
-
-
-def load_api_client(kubeconfig: Path | None) -> client.ApiClient:
-    """A client from `kubeconfig`, or the pod's service account when there is none."""
-    if kubeconfig is not None:
-        loaded: client.ApiClient = config.new_client_from_config(config_file=str(kubeconfig))
-        return loaded
-    config.load_incluster_config()
-    return client.ApiClient()
 
 
 class ResourceApi:

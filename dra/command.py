@@ -105,10 +105,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that the command's other subcommands start without gRPC and the client.
-    from dra.api import ResourceApi, load_api_client
+    from dra.api import ResourceApi
     from dra.driver import DraDriver, DriverSettings
     from dra.state import StateError
     from hostdev.errors import HostdevError
+    from hostdev.kube_client import load_api_client
 
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -13,11 +13,10 @@ import json
 import logging
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import urllib3
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from hostdev.node_labels import build_label_patch
@@ -27,15 +26,6 @@ MERGE_PATCH = "application/merge-patch+json"
 REQUEST_TIMEOUT = (5.0, 10.0)
 _RETRY_FIRST = 1.0
 _RETRY_MAX = 60.0
-
-
-def load_api_client(kubeconfig: Path | None) -> client.ApiClient:
-    """A client from `kubeconfig`, or the pod's service account when there is none."""
-    if kubeconfig is not None:
-        loaded: client.ApiClient = config.new_client_from_config(config_file=str(kubeconfig))
-        return loaded
-    config.load_incluster_config()
-    return client.ApiClient()
 
 
 class NodeLabelError(Exception):

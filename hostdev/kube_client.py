@@ -1,0 +1,17 @@
+"""The one way components reach the API server: the official `kubernetes` client, configured
+from a kubeconfig when one is given, else from the pod's service account."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kubernetes import client, config
+
+
+def load_api_client(kubeconfig: Path | None) -> client.ApiClient:
+    """A client from `kubeconfig`, or the pod's service account when there is none."""
+    if kubeconfig is not None:
+        loaded: client.ApiClient = config.new_client_from_config(config_file=str(kubeconfig))
+        return loaded
+    config.load_incluster_config()
+    return client.ApiClient()
