@@ -2,8 +2,9 @@
 
 A device may only change drivers, or be reset, while no process holds it: a VM's QEMU holds
 `/dev/vfio/devices/vfioN` or `/dev/vfio/<group>`, a CUDA program or nvidia-persistenced holds
-`/dev/nvidia<minor>`, a compositor holds `/dev/dri/cardN`. The links name the node as the
-holding process sees it; the plugin hands nodes out at their host paths, so they match.
+`/dev/nvidia<minor>`, a compositor holds `/dev/dri/cardN`, a DPDK program on `uio_pci_generic`
+holds `/dev/uioN`. The links name the node as the holding process sees it; the plugin hands
+nodes out at their host paths, so they match.
 """
 
 from __future__ import annotations
@@ -56,12 +57,17 @@ def read_device_nodes(
         if minor is not None:
             nodes.append(f"/dev/nvidia{minor}")
     device = root / "sys/bus/pci/devices" / str(function.bdf)
-    try:
-        drm = sorted(p.name for p in (device / "drm").iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        drm = []
+    drm = _children(device / "drm")
     nodes.extend(f"/dev/dri/{name}" for name in drm if name.startswith(("card", "renderD")))
+    nodes.extend(f"/dev/{name}" for name in _children(device / "uio") if name.startswith("uio"))
     return tuple(nodes)
+
+
+def _children(directory: Path) -> list[str]:
+    try:
+        return sorted(p.name for p in directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _read_nvidia_minor(root: Path, bdf: Bdf) -> int | None:

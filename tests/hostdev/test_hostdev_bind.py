@@ -467,6 +467,24 @@ def test_holders_are_named_with_pid_and_command(make_host: Callable[..., Host]) 
     ]
 
 
+def test_a_userspace_driver_holding_uio_is_named(make_host: Callable[..., Host]) -> None:
+    nic = "0000:5e:00.0"
+    host = make_host(
+        HostSpec(
+            (FunctionSpec(nic, 0x8086, 0x1572, CLASS_ETHERNET, driver="uio_pci_generic", group=7),)
+        )
+    )
+    (host.root / "sys/bus/pci/devices" / nic / "uio/uio0").mkdir(parents=True)
+    hold(host.root, 77, "dpdk-testpmd", "/dev/uio0")
+    outcome = host.bind(nic)
+    assert outcome.status is Status.REFUSED
+    (refusal,) = outcome.plan.refusals
+    assert [(h.pid, h.command, h.path) for h in refusal.holders] == [
+        (77, "dpdk-testpmd", "/dev/uio0")
+    ]
+    assert host.state()[nic] == ("uio_pci_generic", None)
+
+
 # Waiting -------------------------------------------------------------------------------------
 
 
