@@ -33,6 +33,7 @@ class FeatureFile:
         self.path = path
         self._writer = writer
         self._written: bytes | None = None
+        self._failure: str | None = None
 
     def write(self, labels: Mapping[str, str]) -> None:
         """Write the labels when they differ from what is on disk; a failure is logged and the
@@ -44,9 +45,15 @@ class FeatureFile:
             write_file_atomically(self.path, content)
         except OSError as error:
             self._written = None
-            log.warning("cannot write the NFD feature file path=%s error=%r", self.path, str(error))
+            # Said once per kind of failure: the next call tries again, and may be seconds away.
+            level = logging.DEBUG if str(error) == self._failure else logging.WARNING
+            self._failure = str(error)
+            log.log(
+                level, "cannot write the NFD feature file path=%s error=%r", self.path, f"{error}"
+            )
             return
         self._written = content
+        self._failure = None
         log.info("NFD feature file written path=%s labels=%d", self.path, len(labels))
 
     def remove(self) -> None:

@@ -101,6 +101,7 @@ def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
         str(args.cdi_dir),
         str(STATE_ROOT),
         "/",
+        "/etc/kubernetes/node-feature-discovery/features.d",
     }
     # The kubelet dials the socket paths the driver reports, the runtime reads CDI specs from the
     # host, and bind-mounts metadata files from the host paths in the CDI spec: every path the
@@ -122,6 +123,13 @@ def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
         assert any(path.is_relative_to(host_path) for host_path in mounts), path
     # Not the host's /proc: with the host's PID namespace the pod's /proc is the host's.
     assert "/proc" not in mounts
+    # The node labels' feature file, where nfd-worker reads it (--feature-file's default).
+    from hostdev.config import default_config
+    from hostdev.label_publisher import feature_file_path
+
+    feature_file = feature_file_path(args.feature_file, default_config(), args.root, "dra")
+    assert feature_file is not None
+    assert mounts[str(feature_file.parent)][0] == str(feature_file.parent)
     assert pod_spec()["hostPID"] is True
     assert pod_spec()["hostNetwork"] is True, "kernel uevents reach only the host's netns"
     security = container["securityContext"]
