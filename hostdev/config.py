@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from hostdev.bdf import Bdf
 from hostdev.documents import DocumentError, read_document
 from hostdev.errors import InvalidBdf
+from hostdev.untrusted import quote_untrusted
 
 NVIDIA_VENDOR = 0x10DE
 # Class prefixes of NVIDIA devices worth passing through: VGA and 3D controllers (GPUs) and
@@ -437,7 +438,10 @@ def _number(value: object, key: str, *, low: float, integer: bool = False) -> fl
 def _known_keys(item: Mapping[str, Any], key: str, allowed: set[str]) -> None:
     for name in item:
         if name not in allowed:
-            where = f"{key}.{name}" if key else str(name)
+            text = str(name)
+            # Quoted when it could break the one-line message (a newline, a megabyte).
+            shown = text if text.isprintable() and len(text) <= 60 else quote_untrusted(text, 60)
+            where = f"{key}.{shown}" if key else shown
             raise ConfigError(f"{where}: unknown key; expected one of {', '.join(sorted(allowed))}")
 
 

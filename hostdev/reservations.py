@@ -25,6 +25,7 @@ from hostdev.documents import DocumentError, read_document
 from hostdev.errors import HostdevError, InvalidBdf
 from hostdev.model import HostInventory
 from hostdev.selector import DeviceSelector, InvalidSelector, select_functions
+from hostdev.untrusted import quote_untrusted
 
 _DRIVER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -131,7 +132,10 @@ def _mapping(value: object, key: str) -> Mapping[str, Any]:
 def _known(item: Mapping[str, Any], key: str, allowed: set[str]) -> None:
     for name in item:
         if name not in allowed:
-            where = f"{key}.{name}" if key else str(name)
+            text = str(name)
+            # Quoted when it could break the one-line message (a newline, a megabyte).
+            shown = text if text.isprintable() and len(text) <= 60 else quote_untrusted(text, 60)
+            where = f"{key}.{shown}" if key else shown
             raise ReservationError(
                 f"{where}: unknown key; expected one of {', '.join(sorted(allowed))}"
             )

@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from hostdev.documents import DocumentError, read_document
+from hostdev.untrusted import quote_untrusted
 
 IOMMUFD_RESOURCE = "devices.kubevirt.io/iommufd"
 DEFAULT_PREFIXES: tuple[str, ...] = ("nvidia.com/",)
@@ -143,8 +144,11 @@ def _mapping(data: object, where: str, allowed: set[str]) -> dict[str, object]:
     unknown = sorted(str(key) for key in data if key not in allowed)
     if unknown:
         prefix = "" if where == "the top level" else f"{where}."
+        # Quoted when it could break the one-line message (a newline, a megabyte).
+        name = unknown[0]
+        shown = name if name.isprintable() and len(name) <= 60 else quote_untrusted(name, 60)
         raise ConfigError(
-            f"unknown key {prefix}{unknown[0]}; expected one of: {', '.join(sorted(allowed))}"
+            f"unknown key {prefix}{shown}; expected one of: {', '.join(sorted(allowed))}"
         )
     return data
 
