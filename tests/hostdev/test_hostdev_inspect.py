@@ -219,7 +219,10 @@ def documented_fields(section: str) -> set[str]:
 def test_json_fields_are_the_documented_ones(
     capsys: pytest.CaptureFixture[str], scenario_root: ScenarioRoot
 ) -> None:
-    _, out, _ = run(capsys, "inspect", "--root", str(scenario_root("sriov")), "--json")
+    root = scenario_root("sriov")
+    # A node running the DRA driver: every documented field, `prepared_for` included.
+    (root / "var/lib/kubevirt-iommufd/dra").mkdir(parents=True)
+    _, out, _ = run(capsys, "inspect", "--root", str(root), "--json")
     document: dict[str, Any] = json.loads(out)
     assert set(document) == documented_fields("Top level")
     assert set(document["host"]) == documented_fields("`host`")
