@@ -229,10 +229,15 @@ def test_concurrent_allocates_of_one_slot_leave_one_hand_off(
 
 
 def test_an_expired_hand_off_frees_its_slot(start_plugin: Callable[..., Plugin]) -> None:
-    plugin = start_plugin(config=_slots(1), expiry_seconds=0.2)
+    # Long enough that the second hand-off is still pending when it is taken, even on a
+    # loaded machine (at 0.2 s it once expired first).
+    plugin = start_plugin(config=_slots(1), expiry_seconds=2.0)
     plugin.kubelet.wait_registered(IOMMUFD)
     plugin.kubelet.allocate(IOMMUFD, ["iommufd-000"])
-    _wait(lambda: plugin.handoff.stats() == replace(plugin.handoff.stats(), expired=1, pending=0))
+    _wait(
+        lambda: plugin.handoff.stats() == replace(plugin.handoff.stats(), expired=1, pending=0),
+        timeout=20.0,
+    )
     (container,) = plugin.kubelet.allocate(IOMMUFD, ["iommufd-000"]).container_responses
     assert plugin.handoff.stats().pending == 1
     _take_fd(container.mounts[0].host_path)
