@@ -575,7 +575,7 @@ def run_checks(run: Runner, edus: list[Edu], scratch: Path, bind_method: str, st
         if registered:
             check_launcher_qemu(run, edus, plan, plugin.kubelet, scratch)
         else:
-            run.skip("nested qemu as libvirt starts it", "the plugin did not register")
+            run.skip("nested qemu: launcher's iommufd fd", "the plugin did not register")
     finally:
         code = plugin.stop()
         with run.check("plugin stops on SIGTERM with exit 0") as check:

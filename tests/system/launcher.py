@@ -7,8 +7,10 @@
 2. `nested QEMU`: started as libvirt starts it for that domain. The iommufd is not opened by QEMU:
    it is a fresh fd from the device plugin's one-shot socket (virt-launcher's `ReceiveIOMMUFD`),
    handed over as `-object iommufd,id=iommufd0,fd=N`; libvirt opens device A's cdev itself and
-   passes it as `-device vfio-pci,iommufd=iommufd0,fd=M`; B keeps `-device vfio-pci,host=BDF`
-   (QEMU opens its group and the container). QMP must show both devices realized, A's `iommufd`
+   passes it as `-device vfio-pci,iommufd=iommufd0,fd=M` (libvirt 12.9's command line for an
+   iommufd hostdev names no `host`: `{"driver":"vfio-pci","iommufd":"iommufd0",…}` in
+   `./dev.sh libvirt-check --argv`); B keeps `-device vfio-pci,host=BDF` (QEMU opens its group
+   and the container). QMP must show both devices realized, A's `iommufd`
    link on iommufd0 and B's empty; `/proc/<qemu>/fd` must hold `/dev/iommu` exactly once — the
    handed-off open file, proved by toggling O_NONBLOCK on our copy and reading QEMU's fdinfo —
    A's cdev (the same way), B's group node and `/dev/vfio/vfio`, and neither B's cdev nor A's
@@ -124,11 +126,11 @@ def iommufd_devices(rewritten: bytes) -> list[tuple[str, bool]]:
 @contextlib.contextmanager
 def launcher_view(scratch: Path, edus: list[Edu]) -> Iterator[Path]:
     """A root for `hook --root`: the node's real /sys (bind-mounted) and a /dev with /dev/iommu,
-    /dev/vfio/vfio, every edu's group node and only the FIRST edu's cdev node — as in a launcher
-    whose device plugin handed the last device over by its group only."""
+    /dev/vfio/vfio, every edu's group node and the cdev node of each but the LAST edu — as in a
+    launcher that got the last device by its group only."""
     root = Path(scratch) / "launcher-root"
     nodes = ["/dev/iommu", "/dev/vfio/vfio", *(f"/dev/vfio/{e.group}" for e in edus)]
-    nodes.append(edus[0].cdev_path)
+    nodes += [e.cdev_path for e in edus[:-1]]
     for node in nodes:
         target = root / node.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -320,7 +322,7 @@ def check_launcher_qemu(
     kubelet: KubeletStandIn,
     scratch: Path,
 ) -> None:
-    name = "nested qemu as libvirt starts it: handed-off iommufd fd, A cdev fd, B host="
+    name = "nested qemu: launcher's iommufd fd, A cdev fd, B host="
     with run.check(name) as check:
         by_bdf = {edu.bdf: edu for edu in edus}
         over_iommufd = [by_bdf[bdf] for bdf, uses in plan if uses]
