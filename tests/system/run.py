@@ -455,7 +455,7 @@ def print_report(boots: list[Boot], build_seconds: float | None, bzimage: Path) 
     else:
         lines += [
             f"kernel:  {report['kernel']} ({bzimage}, {built})",
-            f"qemu:    {report['qemu']}",
+            f"qemu:    {report['qemu']} ({QEMU_ACCEL}, {VCPUS} vCPUs)",
             f"boot:    guest checks started {report['uptime_at_start']:.1f} s after kernel start",
             f"cpu:     a fixed Python loop took {report['loop_ms']:.0f} ms in the guest,"
             f" {report['host_loop_ms']:.0f} ms on the host"
