@@ -1,0 +1,397 @@
+"""The DRA driver's on-demand binding on the real kernel (issue 14), in the system test's guest.
+
+One edu device starts on no driver, as a GPU on its host driver sits off VFIO. The DRA driver
+runs as its own process (`kubevirt-iommufd dra --root /`) against the DRA kubelet stand-in
+(real gRPC on unix sockets in a tmpfs) and the API server stand-in (the real `kubernetes` client
+over HTTPS on 127.0.0.1: the guest kernel has IPv4 for it), both driven from this process; the
+checks play the scheduler and allocate claims by hand.
+
+  publish     the device is in the node's slice with `currentDriver` "" (binding: on-demand)
+  prepare     NodePrepare binds it to vfio-pci; the CDI spec names its real cdev and group
+              node, and a /dev/iommu fd binds that cdev (VFIO_DEVICE_BIND_IOMMUFD)
+  unprepare   refused while a process holds the cdev (a VM's QEMU that outlived its pod):
+              the device stays on vfio-pci; once it is gone, NodeUnprepare gives the device
+              back to no driver, `driver_override` cleared
+  held        on uio_pci_generic (a host driver with a device node) with a process holding
+              /dev/uioN, NodePrepare of another claim is refused naming that process, and
+              the driver and override stay as they were
+  stop        SIGTERM: exit 0, its sockets gone
+
+The /dev/iommu fd is opened here: the device plugin, whose one-shot socket hands one out in a
+launcher, starts only after these checks, which need the device untouched by the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import uapi
+from guestkit import CLI, PCI, CheckFailed, Edu, Runner, require, say
+
+from dra.devices import device_name
+from hostdev.bdf import Bdf
+from kubevirt_iommufd.apiserver_standin import (
+    AllocatedDevice,
+    ApiServerStandIn,
+    build_resource_claim,
+    running_apiserver,
+)
+from kubevirt_iommufd.dra_kubelet_standin import Claim, DRAKubeletStandIn
+
+DRIVER = "vfio.kubevirt-iommufd.io"
+NODE = "system-test-node"
+RESOURCE = "example.com/edu-on-demand"
+NAMESPACE = "vms"
+REQUEST = "edu"
+HOST_DRIVER = "uio_pci_generic"
+# Python, gRPC and the kubernetes client start slowly under TCG: 35-62 s to the driver's first
+# log line here (0.3 s on the host).
+START_TIMEOUT_S = 120.0
+SETTLE_TIMEOUT_S = 20.0
+IFF_UP = 0x1
+Object = dict[str, Any]
+
+
+@dataclass
+class DraRun:
+    """The driver process and the stand-ins it talks to, with the paths it was given."""
+
+    api: ApiServerStandIn
+    kubelet: DRAKubeletStandIn
+    process: subprocess.Popen[bytes]
+    cdi_dir: Path
+    state_dir: Path
+    log_path: Path
+    spawned: float
+    """time.time() when the driver was started."""
+    claims: int = 0
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def since_spawn(self) -> float:
+        return time.time() - self.spawned
+
+    def first_log_line(self) -> float | None:
+        """Seconds from the start to the driver's first log line (Python and its imports)."""
+        try:
+            first = self.log_path.read_text(errors="replace").split("\n", 1)[0]
+            return datetime.strptime(first[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp() - self.spawned
+        except (OSError, ValueError):
+            return None
+
+    def published(self, name: str) -> Object | None:
+        """The device's entry in the node's slices, if there."""
+        for item in self.api.slices(NODE, DRIVER):
+            for device in item["spec"].get("devices", []):
+                if device["name"] == name:
+                    return dict(device)
+        return None
+
+    def current_driver(self, name: str) -> str | None:
+        device = self.published(name)
+        if device is None:
+            return None
+        value = device["attributes"].get("currentDriver", {}).get("string")
+        return None if value is None else str(value)
+
+    def allocate(self, name: str) -> Claim:
+        """A new claim on the device, allocated as the scheduler would."""
+        self.claims += 1
+        claim_name = f"vm-edu-{self.claims}"
+        created = self.api.put_claim(
+            build_resource_claim(NAMESPACE, claim_name, [REQUEST], "vfio-edu")
+        )
+        self.api.set_allocation(
+            NAMESPACE,
+            claim_name,
+            [AllocatedDevice(REQUEST, DRIVER, NODE, name)],
+            node_name=NODE,
+        )
+        return Claim(NAMESPACE, created["metadata"]["uid"], claim_name)
+
+    def journal(self) -> list[str]:
+        return sorted(p.name for p in (self.state_dir / "bindings").glob("*.json"))
+
+
+def check_dra_on_demand(run: Runner, edu: Edu, scratch: Path) -> None:
+    """All the DRA checks on `edu`, which must be on no driver; it is left on no driver."""
+    work = scratch / "dra"
+    with _dra_driver(work) as dra:
+        name = device_name(Bdf.parse(edu.bdf))
+        if _check_publish(run, edu, dra, name):
+            claim = _check_prepare(run, edu, dra, name)
+            if claim is not None:
+                _check_unprepare_held(run, edu, dra, claim)
+                _check_unprepare(run, edu, dra, name, claim)
+            if edu.driver() is None:
+                _check_held(run, edu, dra, name)
+            else:
+                run.skip("DRA NodePrepare refused while held", f"{edu.bdf} is on {edu.driver()}")
+        else:
+            run.skip("DRA NodePrepare, NodeUnprepare, held device", "nothing published")
+    with run.check("DRA driver stops on SIGTERM with exit 0") as check:
+        code = dra.process.returncode
+        require(code == 0, f"exit {code}\n{dra.log_tail()}")
+        left = sorted(str(p) for p in (work / "kubelet").rglob("*.sock"))
+        require(not left, f"sockets left behind: {left}")
+        problems = [
+            line.split(" ", 3)[-1][:160]
+            for line in dra.log_path.read_text(errors="replace").splitlines()
+            if " ERROR " in line or "Traceback" in line
+        ]
+        check.detail = f"no sockets left; errors in its log: {problems or 'none'}"
+
+
+@contextmanager
+def _dra_driver(work: Path) -> Iterator[DraRun]:
+    """The stand-ins in this process, the driver as a child; SIGTERM to it at the end."""
+    work.mkdir(parents=True)
+    config = work / "dra.json"
+    config.write_text(
+        json.dumps(
+            {
+                "resources": [
+                    {
+                        "resourceName": RESOURCE,
+                        "binding": "on-demand",
+                        "selectors": {"vendors": ["1234"], "devices": ["11e8"]},
+                    }
+                ]
+            }
+        )
+    )
+    with running_apiserver() as api, DRAKubeletStandIn(work / "kubelet") as kubelet:
+        api.put_node(NODE)
+        argv = [
+            CLI,
+            "dra",
+            "--root",
+            "/",
+            "--node-name",
+            NODE,
+            "--config",
+            str(config),
+            "--kubeconfig",
+            str(api.write_kubeconfig(work / "kubeconfig")),
+            "--kubelet-dir",
+            str(work / "kubelet"),
+            "--cdi-dir",
+            str(work / "cdi"),
+            "--state-dir",
+            str(work / "state"),
+            "--feature-file",
+            "none",
+        ]
+        say("$ " + shlex.join(argv))
+        log_path = work / "dra.log"
+        spawned = time.time()
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        dra = DraRun(api, kubelet, process, work / "cdi", work / "state", log_path, spawned)
+        try:
+            yield dra
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _check_publish(run: Runner, edu: Edu, dra: DraRun, name: str) -> bool:
+    published = False
+    with run.check(f"DRA driver publishes {edu.bdf} on no driver (binding: on-demand)") as check:
+        require(edu.driver() is None, f"{edu.bdf} starts on {edu.driver()}, not on no driver")
+        flags = int(Path("/sys/class/net/lo/flags").read_text(), 16)
+        require(bool(flags & IFF_UP), f"loopback is down (flags {flags:#x})")
+        try:
+            dra.kubelet.wait_registered(DRIVER, timeout=START_TIMEOUT_S)
+        except (AssertionError, TimeoutError) as error:
+            raise CheckFailed(f"not registered: {error}\n{dra.log_tail()}") from None
+        registered = dra.since_spawn()
+        _wait(lambda: dra.current_driver(name) == "", START_TIMEOUT_S, "published", dra)
+        seen = dra.since_spawn()
+        devices = [d["name"] for s in dra.api.slices(NODE, DRIVER) for d in s["spec"]["devices"]]
+        published = True
+        first = dra.first_log_line()
+        check.detail = (
+            f"lo up, API server stand-in on {dra.api.url}; after the driver's start: first log"
+            f" line {'?' if first is None else f'{first:.1f}'} s (Python and imports under TCG),"
+            f' registered {registered:.1f} s, {name} in the slice with currentDriver "" at'
+            f" {seen:.1f} s; slice devices {devices}"
+        )
+    return published
+
+
+def _check_prepare(run: Runner, edu: Edu, dra: DraRun, name: str) -> Claim | None:
+    """The prepared claim (also when a later step of the check failed), or None."""
+    prepared = None
+    title = "DRA NodePrepare binds it to vfio-pci on demand; /dev/iommu binds the cdev"
+    with run.check(title) as check:
+        claim = dra.allocate(name)
+        started = time.monotonic()
+        result = dra.kubelet.node_prepare_resources([claim])[claim.uid]
+        took = time.monotonic() - started
+        require(not result.error, f"NodePrepare answered {result.error!r}\n{dra.log_tail()}")
+        prepared = claim
+        require(edu.driver() == "vfio-pci", f"{edu.bdf} is on {edu.driver()}")
+        require(_override(edu) == "vfio-pci", f"driver_override {_override(edu)!r}")
+        edu.cdev = edu.read_cdev()
+        edu.group = (edu.sysfs / "iommu_group").readlink().name
+        nodes = _spec_nodes(dra, claim)
+        group_node = f"/dev/vfio/{edu.group}"
+        for wanted in (edu.cdev_path, group_node):
+            require(wanted in nodes, f"CDI spec nodes {nodes} lack {wanted}")
+            require(Path(wanted).exists(), f"{wanted} is named in the CDI spec but missing")
+        devid = _bind_cdev(edu.cdev_path)
+        check.detail = (
+            f"NodePrepare {took:.2f} s (TCG); {edu.bdf} on vfio-pci (override vfio-pci);"
+            f" CDI spec nodes {nodes}; /dev/iommu (opened here) bound {edu.cdev} as devid {devid}"
+        )
+    return prepared
+
+
+def _check_unprepare_held(run: Runner, edu: Edu, dra: DraRun, claim: Claim) -> None:
+    """A VM's QEMU that outlived its pod still holds the cdev: the device must stay on VFIO."""
+    with run.check("DRA NodeUnprepare refused while a process holds the cdev") as check:
+        with _holding(edu.cdev_path, dra) as holder:
+            errors = dra.kubelet.node_unprepare_resources([claim])
+            named = f"pid {holder.pid} (sleep) holds {edu.cdev_path}"
+            require(named in errors[claim.uid], f"NodeUnprepare answered {errors}, not {named!r}")
+            require(edu.driver() == "vfio-pci", f"{edu.bdf} moved to {edu.driver()}")
+            require(_override(edu) == "vfio-pci", f"driver_override now {_override(edu)!r}")
+            require(len(dra.journal()) == 1, f"binding journal {dra.journal()}, wanted 1 entry")
+        check.detail = f"{errors[claim.uid]!r}; {edu.bdf} kept on vfio-pci, journal kept"
+
+
+def _check_unprepare(run: Runner, edu: Edu, dra: DraRun, name: str, claim: Claim) -> None:
+    title = "DRA NodeUnprepare (the holder gone) returns it to no driver, override cleared"
+    with run.check(title) as check:
+        cdev_path = edu.cdev_path
+        started = time.monotonic()
+        errors = dra.kubelet.node_unprepare_resources([claim])
+        took = time.monotonic() - started
+        require(errors == {claim.uid: ""}, f"NodeUnprepare answered {errors}\n{dra.log_tail()}")
+        require(edu.driver() is None, f"{edu.bdf} is on {edu.driver()}")
+        require(_override(edu) == "(null)", f"driver_override {_override(edu)!r}")
+        require(not Path(cdev_path).exists(), f"{cdev_path} is still there")
+        require(not dra.journal(), f"binding journal left: {dra.journal()}")
+        spec = dra.cdi_dir / f"{DRIVER}-claim_{claim.uid}.json"
+        require(not spec.exists(), f"{spec} is still there")
+        _wait(lambda: dra.current_driver(name) == "", SETTLE_TIMEOUT_S, "published again", dra)
+        check.detail = (
+            f"NodeUnprepare {took:.2f} s (TCG); {edu.bdf} on no driver, driver_override"
+            " (null), its cdev gone, no journal entry, CDI spec removed, published again"
+        )
+
+
+def _check_held(run: Runner, edu: Edu, dra: DraRun, name: str) -> None:
+    """A host driver with a device node: a process holding it keeps the device where it is."""
+    title = f"DRA NodePrepare refused while a process holds /dev/uioN ({HOST_DRIVER})"
+    with run.check(title) as check:
+        try:
+            (edu.sysfs / "driver_override").write_text(HOST_DRIVER)
+            (PCI / "drivers_probe").write_text(edu.bdf)
+            require(edu.driver() == HOST_DRIVER, f"{edu.bdf} did not bind to {HOST_DRIVER}")
+            uio = sorted(p.name for p in (edu.sysfs / "uio").iterdir())
+            require(len(uio) == 1, f"{edu.bdf}/uio holds {uio}")
+            node = f"/dev/{uio[0]}"
+            _wait(lambda: Path(node).exists(), SETTLE_TIMEOUT_S, f"{node} made", dra)
+            _wait(
+                lambda: dra.current_driver(name) == HOST_DRIVER,
+                SETTLE_TIMEOUT_S,
+                f"published with currentDriver {HOST_DRIVER}",
+                dra,
+            )
+            with _holding(node, dra) as holder:
+                claim = dra.allocate(name)
+                started = time.monotonic()
+                result = dra.kubelet.node_prepare_resources([claim])[claim.uid]
+                took = time.monotonic() - started
+                named = f"pid {holder.pid} (sleep) holds {node}"
+                require(named in result.error, f"NodePrepare answered {result.error!r}")
+                require(edu.driver() == HOST_DRIVER, f"{edu.bdf} moved to {edu.driver()}")
+                require(_override(edu) == HOST_DRIVER, f"driver_override now {_override(edu)!r}")
+                require(not dra.journal(), f"binding journal left: {dra.journal()}")
+                require(Path(node).exists(), f"{node} is gone")
+            check.detail = (
+                f"refused in {took:.2f} s (TCG): {result.error[-200:]!r}; {edu.bdf} still on"
+                f" {HOST_DRIVER} with driver_override {HOST_DRIVER}, no journal entry"
+            )
+        finally:
+            # Back on no driver for the checks that follow.
+            if edu.driver() == HOST_DRIVER:
+                (edu.sysfs / "driver" / "unbind").write_text(edu.bdf)
+            (edu.sysfs / "driver_override").write_text("\n")
+
+
+@contextmanager
+def _holding(node: str, dra: DraRun) -> Iterator[subprocess.Popen[bytes]]:
+    """A `sleep` with `node` open (fd 3), as a program using the device would hold it."""
+    holder = subprocess.Popen(["sh", "-c", 'exec sleep 600 3<"$0"', node])
+    try:
+        fd = Path(f"/proc/{holder.pid}/fd/3")
+        _wait(lambda: _link(fd) == node, SETTLE_TIMEOUT_S, f"{node} held", dra)
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _spec_nodes(dra: DraRun, claim: Claim) -> list[str]:
+    spec = json.loads((dra.cdi_dir / f"{DRIVER}-claim_{claim.uid}.json").read_text())
+    return [
+        node["path"]
+        for entry in spec["devices"]
+        for node in entry["containerEdits"].get("deviceNodes", [])
+    ]
+
+
+def _bind_cdev(cdev_path: str) -> int:
+    iommufd = os.open("/dev/iommu", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        device = os.open(cdev_path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            return uapi.bind_iommufd(device, iommufd)
+        finally:
+            os.close(device)
+    finally:
+        os.close(iommufd)
+
+
+def _override(edu: Edu) -> str:
+    return (edu.sysfs / "driver_override").read_text().strip()
+
+
+def _link(path: Path) -> str | None:
+    try:
+        return str(path.readlink())
+    except OSError:
+        return None
+
+
+def _wait(condition: Callable[[], bool], timeout: float, what: str, dra: DraRun) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if dra.process.poll() is not None:
+            raise CheckFailed(f"the DRA driver exited {dra.process.returncode}\n{dra.log_tail()}")
+        if time.monotonic() > deadline:
+            raise CheckFailed(f"not {what} within {timeout:g} s\n{dra.log_tail()}")
+        time.sleep(0.05)
