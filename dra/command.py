@@ -140,9 +140,11 @@ def run(args: argparse.Namespace) -> int:
         node=args.node_name,
         driver=args.driver_name,
         root=args.root,
-        kubelet_dir=args.kubelet_dir,
-        cdi_dir=args.cdi_dir,
-        state_dir=args.state_dir,
+        # Absolute: the kubelet dials the endpoint and the runtime mounts the metadata files by
+        # the paths the driver hands out, from directories of their own.
+        kubelet_dir=args.kubelet_dir.absolute(),
+        cdi_dir=args.cdi_dir.absolute(),
+        state_dir=args.state_dir.absolute(),
         rescan_interval=args.rescan_interval,
         watch_udev=args.root == Path("/"),
         host_root=args.host_root,

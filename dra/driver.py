@@ -172,9 +172,9 @@ class DraDriver:
         )
 
     def _claims_changed(self) -> None:
-        with self._host_lock:
-            inventory = self._inventory
-        self.publisher.update(self._devices(inventory))
+        # Which group companions to hide changed: the re-scan thread republishes, so the
+        # kubelet's call does not wait for a whole node's devices to be built again.
+        self._events.put(DevicesChanged(frozenset(), "prepared claims changed"))
 
     def _judge(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
         wanted = set(bdfs)
@@ -201,7 +201,8 @@ class DraDriver:
                 event = DevicesChanged(frozenset(), "periodic re-scan", rescan=True)
             if event is None:
                 return
-            changed: set[Bdf] | None = None if event.rescan or not event.bdfs else set(event.bdfs)
+            # No functions named: only the device nodes are looked at again (hostdev.scan).
+            changed: set[Bdf] | None = None if event.rescan else set(event.bdfs)
             # Take what else is queued: a bind is a burst of uevents.
             while changed is not None:
                 try:
@@ -210,7 +211,7 @@ class DraDriver:
                     break
                 if more is None:
                     return
-                changed = None if more.rescan or not more.bdfs else changed | more.bdfs
+                changed = None if more.rescan else changed | more.bdfs
             try:
                 self.rescan(None if changed is None else frozenset(changed))
             except HostdevError as error:

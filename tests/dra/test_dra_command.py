@@ -34,18 +34,22 @@ def test_runs_registers_publishes_and_stops_on_sigterm(
             dra(
                 "--node-name", NODE,
                 "--root", str(root),
-                "--kubelet-dir", str(kubelet_dir),
-                "--cdi-dir", str(base / "cdi"),
-                "--state-dir", str(base / "state"),
+                # Relative directories, as a careless manifest might give them.
+                "--kubelet-dir", "kubelet",
+                "--cdi-dir", "cdi",
+                "--state-dir", "state",
                 "--kubeconfig", str(kubeconfig),
             ),
             stderr=subprocess.PIPE,
             text=True,
+            cwd=base,
         )  # fmt: skip
         try:
             with DRAKubeletStandIn(kubelet_dir, info_poll_interval=None) as kubelet:
                 registration = kubelet.wait_registered(DRIVER, timeout=20)
                 assert registration.service == "v1.DRAPlugin"
+                # The kubelet dials the endpoint from its own working directory: absolute.
+                assert registration.endpoint == str(kubelet_dir / "plugins" / DRIVER / "dra.sock")
                 assert apiserver.wait_until(
                     lambda: sum(len(s["spec"]["devices"]) for s in apiserver.slices(NODE)) == 8,
                     timeout=20,
