@@ -55,7 +55,7 @@ RESOURCE = "example.com/edu-on-demand"
 NAMESPACE = "vms"
 REQUEST = "edu"
 HOST_DRIVER = "uio_pci_generic"
-# Python, gRPC and the kubernetes client start slowly under TCG: 35-62 s to the driver's first
+# Python, gRPC and the kubernetes client start slowly under TCG: 31-62 s to the driver's first
 # log line here (0.3 s on the host).
 START_TIMEOUT_S = 120.0
 SETTLE_TIMEOUT_S = 20.0
