@@ -8,7 +8,8 @@ checks play the scheduler and allocate claims by hand.
 
   publish     the device is in the node's slice with `currentDriver` "" (binding: on-demand)
   prepare     NodePrepare binds it to vfio-pci; the CDI spec names its real cdev and group
-              node, and a /dev/iommu fd binds that cdev (VFIO_DEVICE_BIND_IOMMUFD)
+              node, and a /dev/iommu fd handed over the device plugin's one-shot socket
+              binds that cdev (VFIO_DEVICE_BIND_IOMMUFD)
   unprepare   refused while a process holds the cdev (a VM's QEMU that outlived its pod):
               the device stays on vfio-pci; once it is gone, NodeUnprepare gives the device
               back to no driver, `driver_override` cleared
@@ -17,8 +18,10 @@ checks play the scheduler and allocate claims by hand.
               the driver and override stay as they were
   stop        SIGTERM: exit 0, its sockets gone
 
-The /dev/iommu fd is opened here: the device plugin, whose one-shot socket hands one out in a
-launcher, starts only after these checks, which need the device untouched by the others.
+The /dev/iommu fd comes from the device plugin's hand-off (deviceplugin.iommufd_handoff: opened,
+per-process memlock accounting set, served once over a unix socket, received with SCM_RIGHTS as
+KubeVirt's launcher does), run in this process: the plugin process starts only after these
+checks, which need the device untouched by the others.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import uapi
-from guestkit import CLI, PCI, CheckFailed, Edu, Runner, require, say
+from guestkit import CLI, PCI, CheckFailed, Edu, Runner, receive_fd, require, say
 
+from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from dra.devices import device_name
 from hostdev.bdf import Bdf
 from kubevirt_iommufd.apiserver_standin import (
@@ -243,7 +247,7 @@ def _check_publish(run: Runner, edu: Edu, dra: DraRun, name: str) -> bool:
 def _check_prepare(run: Runner, edu: Edu, dra: DraRun, name: str) -> Claim | None:
     """The prepared claim (also when a later step of the check failed), or None."""
     prepared = None
-    title = "DRA NodePrepare binds it to vfio-pci on demand; /dev/iommu binds the cdev"
+    title = "DRA NodePrepare binds it to vfio-pci on demand; a handed-off iommufd binds the cdev"
     with run.check(title) as check:
         claim = dra.allocate(name)
         started = time.monotonic()
@@ -260,10 +264,11 @@ def _check_prepare(run: Runner, edu: Edu, dra: DraRun, name: str) -> Claim | Non
         for wanted in (edu.cdev_path, group_node):
             require(wanted in nodes, f"CDI spec nodes {nodes} lack {wanted}")
             require(Path(wanted).exists(), f"{wanted} is named in the CDI spec but missing")
-        devid = _bind_cdev(edu.cdev_path)
+        devid = _bind_cdev(edu.cdev_path, dra.state_dir.parent / "fds")
         check.detail = (
             f"NodePrepare {took:.2f} s (TCG); {edu.bdf} on vfio-pci (override vfio-pci);"
-            f" CDI spec nodes {nodes}; /dev/iommu (opened here) bound {edu.cdev} as devid {devid}"
+            f" CDI spec nodes {nodes}; the handed-off /dev/iommu fd bound {edu.cdev}"
+            f" as devid {devid}"
         )
     return prepared
 
@@ -364,8 +369,15 @@ def _spec_nodes(dra: DraRun, claim: Claim) -> list[str]:
     ]
 
 
-def _bind_cdev(cdev_path: str) -> int:
-    iommufd = os.open("/dev/iommu", os.O_RDWR | os.O_CLOEXEC)
+def _bind_cdev(cdev_path: str, socket_dir: Path) -> int:
+    """Bind the cdev to an iommufd the device plugin's hand-off prepared (per-process memlock
+    accounting set) and handed over its one-shot socket, as KubeVirt's launcher receives it."""
+    config = HandoffConfig(
+        socket_dir=socket_dir, root=Path("/"), owner_uid=0, owner_gid=0, mode=0o600
+    )
+    with IommufdHandoff(config) as handoff:
+        prepared = handoff.prepare("dra-check")
+        iommufd = receive_fd(str(prepared.host_path))
     try:
         device = os.open(cdev_path, os.O_RDWR | os.O_CLOEXEC)
         try:
