@@ -276,7 +276,18 @@ class OnDemandBinder:
 
 
 def _refused(outcome: Outcome) -> str:
-    return "; ".join(str(r) for r in outcome.plan.refusals) or "refused"
+    """The planner's refusals, with its advice for a person at a shell (`--wait`) turned into
+    what holds for a claim: the kubelet asks again."""
+    parts = []
+    for refusal in outcome.plan.refusals:
+        subject = f"{refusal.bdf}: " if refusal.bdf is not None else ""
+        fix = (
+            "stop those processes (or the VM); the kubelet retries"
+            if refusal.holders
+            else refusal.fix
+        )
+        parts.append(f"{subject}{refusal.reason}; {fix}")
+    return "; ".join(parts) or "refused"
 
 
 def _names(moved: Iterable[Moved]) -> str:

@@ -118,6 +118,7 @@ def test_a_held_device_is_refused_naming_the_holder_and_nothing_changes(node: No
     answer = node.preparer.prepare([REF])[REF.uid]
     assert isinstance(answer, str)
     assert "nvidia-smi" in answer and "4242" in answer and "vm-gpus" in answer
+    assert "the kubelet retries" in answer and "--wait" not in answer
     assert drivers(node) == BEFORE
     assert not list((node.state_dir / "bindings").glob("*.json"))
 
