@@ -86,9 +86,9 @@ class DraDriver:
             on_change=self._claims_changed,
             binder=self.binder,
         )
-        self.publisher = SlicePublisher(
-            api, settings.node, settings.driver, self._devices(self._inventory)
-        )
+        self._usable = build_devices(self._inventory, config, names)
+        """Every device a VM could be given, as of the last reading of the host."""
+        self.publisher = SlicePublisher(api, settings.node, settings.driver, self._published())
         self.sockets = KubeletSockets(
             settings.kubelet_dir,
             settings.driver,
@@ -101,8 +101,7 @@ class DraDriver:
 
     @property
     def devices(self) -> tuple[DraDevice, ...]:
-        with self._host_lock:
-            return self._devices(self._inventory)
+        return self._published()
 
     def start(self) -> None:
         """Serve the kubelet first (GetInfo must answer at once), then publish in the background."""
@@ -142,8 +141,8 @@ class DraDriver:
                 self._inventory = refresh_host(
                     self.settings.root, self._inventory, _with_groups(self._inventory, changed)
                 )
-            inventory = self._inventory
-        devices = self._devices(inventory)
+            self._usable = build_devices(self._inventory, self._config, self._names)
+        devices = self._published()
         self.publisher.update(devices)
         self._publish_labels(devices)
 
@@ -161,20 +160,18 @@ class DraDriver:
             capabilities = self._inventory.capabilities
         self._labels.publish(build_node_labels(capabilities, counts))
 
-    def _devices(self, inventory: HostInventory) -> tuple[DraDevice, ...]:
+    def _published(self) -> tuple[DraDevice, ...]:
         """What to publish: every usable device, less the group companions of prepared ones (a
         group goes to one VM; the prepared device itself stays, allocated to its claim)."""
         groups, functions = self.store.held()
-        return tuple(
-            d
-            for d in build_devices(inventory, self._config, self._names)
-            if d.group not in groups or d.bdf in functions
-        )
+        with self._host_lock:
+            usable = self._usable
+        return tuple(d for d in usable if d.group not in groups or d.bdf in functions)
 
     def _claims_changed(self) -> None:
-        # Which group companions to hide changed: the re-scan thread republishes, so the
-        # kubelet's call does not wait for a whole node's devices to be built again.
-        self._events.put(DevicesChanged(frozenset(), "prepared claims changed"))
+        # Only which group companions are hidden can change: a filter over the devices already
+        # built, cheap enough for the kubelet's call; the publisher writes in the background.
+        self.publisher.update(self._published())
 
     def _judge(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
         wanted = set(bdfs)
