@@ -78,9 +78,11 @@ case "$command" in
         ;;
     bench)
         setup
+        # As modules from the repository root: a bench may import another's helpers (bench.webhook).
         for script in bench/*.py; do
+            [ "$(basename "$script")" = __init__.py ] && continue
             log "$script"
-            "$VENV/bin/python" "$script"
+            "$VENV/bin/python" -m "bench.$(basename "$script" .py)"
         done
         ;;
     stubs)

@@ -3,7 +3,7 @@
 Each size runs in its own process, so its peak RSS is its own: the process builds a simulated
 node (hostdev.simhost.scale) in a temporary directory, scans it once to warm the page cache, then
 times five scans and reports the median. Target: 4,096 functions in under 150 ms, growing
-linearly. Run: `python bench/inventory.py` (or `make bench`).
+linearly. Run: `python bench/inventory.py` (or `./dev.sh bench`).
 """
 
 from __future__ import annotations
