@@ -126,6 +126,8 @@ class ResourceApi:
                 yield kind, item
         except urllib3.exceptions.HTTPError as error:
             raise ApiError(f"{what}: connection lost ({error})") from None
+        except ValueError as error:
+            raise ApiError(f"{what}: an event is not JSON ({error})") from None
         finally:
             response.release_conn()
 
@@ -135,11 +137,14 @@ class ResourceApi:
             response = method(
                 *args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs
             )
+            # Reading the body is network IO too: a reset or a timeout can come here.
+            data: Object = json.loads(response.data or b"{}")
         except ApiException as error:
             raise _api_error(what, error) from None
         except urllib3.exceptions.HTTPError as error:
             raise ApiError(f"{what}: API server unreachable ({error})") from None
-        data: Object = json.loads(response.data or b"{}")
+        except ValueError as error:
+            raise ApiError(f"{what}: the answer is not JSON ({error})") from None
         return data
 
 

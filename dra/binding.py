@@ -107,6 +107,14 @@ class OnDemandBinder:
         """Bind `bdfs` (with their groups and companions) to their VFIO drivers for a claim and
         wait until `nodes_ready()`; on any failure put everything back and raise."""
         named = ", ".join(str(b) for b in bdfs)
+        earlier = self._read(claim_uid)
+        if earlier is not None and earlier.phase == "binding":
+            # Its record of the drivers the functions had is the only one: never overwrite it.
+            raise BindingError(
+                f"an earlier bind for this claim failed and could not be undone"
+                f" ({_names(earlier.moved)}); the host needs a person (kubevirt-iommufd"
+                " inspect); the driver puts them back at its next start"
+            )
         with self._lock(f"DRA bind {named} for claim {claim_uid}") as lock:
             planned = bind_devices(self._access, [BindRequest(b, AUTO) for b in bdfs], dry_run=True)
             if planned.status is Status.REFUSED:

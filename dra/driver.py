@@ -67,6 +67,9 @@ class DraDriver:
         self._config = config
         self._names = names
         self._host_lock = threading.Lock()
+        # Reading what is held and handing it to the publisher are one step: a re-scan must not
+        # publish, after a prepare, a list computed before it.
+        self._publish_lock = threading.Lock()
         self._inventory = scan_host(settings.root)
         self.store = ClaimStore(settings.state_dir)
         self.store.load()
@@ -142,8 +145,9 @@ class DraDriver:
                     self.settings.root, self._inventory, _with_groups(self._inventory, changed)
                 )
             self._usable = build_devices(self._inventory, self._config, self._names)
-        devices = self._published()
-        self.publisher.update(devices)
+        with self._publish_lock:
+            devices = self._published()
+            self.publisher.update(devices)
         self._publish_labels(devices)
 
     def _publish_labels(self, devices: tuple[DraDevice, ...]) -> None:
@@ -171,7 +175,8 @@ class DraDriver:
     def _claims_changed(self) -> None:
         # Only which group companions are hidden can change: a filter over the devices already
         # built, cheap enough for the kubelet's call; the publisher writes in the background.
-        self.publisher.update(self._published())
+        with self._publish_lock:
+            self.publisher.update(self._published())
 
     def _judge(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
         wanted = set(bdfs)

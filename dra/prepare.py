@@ -78,9 +78,9 @@ class ClaimPreparer:
         self._store = store
         self._paths = paths
         self._on_change = on_change
+        """Told after a claim was prepared or forgotten: what may be published changed."""
         self._binder = binder
         """Binds on-demand devices; without one only devices already on VFIO are prepared."""
-        """Told after a claim was prepared or forgotten: what may be published changed."""
         # One claim at a time: two claims racing for one device must not both see it free.
         self._lock = threading.Lock()
 
@@ -89,10 +89,11 @@ class ClaimPreparer:
         for ref in refs:
             try:
                 answers[ref.uid] = self._prepare_one(ref)
-            except (ClaimError, ApiError, StateError) as error:
-                message = str(error)
+            except (ClaimError, ApiError, StateError, BindingError, HostdevError, OSError) as error:
+                # Every failure is this claim's answer; the others of the call go on.
+                message = str(error) if isinstance(error, ClaimError) else f"{ref}: {error}"
                 if isinstance(error, ApiError):
-                    message = f"{ref}: {message}; the kubelet retries"
+                    message += "; the kubelet retries"
                 log.warning("prepare failed: %s", quote_untrusted(message, 500))
                 answers[ref.uid] = message
         return answers
@@ -123,8 +124,14 @@ class ClaimPreparer:
                 self._claims.read_claim(ref.namespace, ref.name), ref, self._driver, self._pool
             )
             devices = self._check_devices(allocation)
-            prepared = self._write(allocation, devices)
-            self._store.save(prepared)
+            try:
+                prepared = self._write(allocation, devices)
+                self._store.save(prepared)
+            except (OSError, StateError):
+                # Not recorded: devices bound for it must not stay on VFIO, unheld.
+                if known is None and self._binder is not None:
+                    self._binder.release(ref.uid)
+                raise
         self._on_change()
         log.info(
             "prepared %s: %s",
@@ -208,7 +215,7 @@ class ClaimPreparer:
 
         try:
             self._binder.bind(ref.uid, bdfs, reset, ready)
-        except BindingError as error:
+        except (BindingError, HostdevError, OSError) as error:
             raise ClaimError(f"{ref}: {error}") from error
         return {b: d for b, d in latest.items() if isinstance(d, DraDevice)}
 

@@ -84,9 +84,11 @@ class SlicePublisher:
             self._dirty.clear()
             try:
                 self._reconcile()
-            except ApiError as error:
+            except Exception as error:
                 self.last_error = str(error)
-                if not error.conflict:
+                if not (isinstance(error, ApiError) and error.conflict):
+                    if not isinstance(error, ApiError):
+                        log.exception("publishing slices failed unexpectedly")
                     log.warning("publishing slices failed: %s; retrying in %.1f s", error, delay)
                     self._stop.wait(delay)
                     delay = min(delay * 2, self._backoff[1])
@@ -153,7 +155,9 @@ class SlicePublisher:
                         )
                         self.published.clear()
                         self._dirty.set()
-            except ApiError as error:
+            except Exception as error:
+                if not isinstance(error, ApiError):
+                    log.exception("slice watch failed unexpectedly")
                 log.debug("slice watch ended: %s", error)
                 self._stop.wait(delay)
                 delay = min(delay * 2, self._backoff[1])

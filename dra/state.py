@@ -99,13 +99,13 @@ class ClaimStore:
         self._lock = threading.Lock()
 
     def load(self) -> None:
-        """Read every record; an unreadable one is reported and left in place for a person to
-        look at, never silently dropped (its devices stay unknown to us, not free)."""
+        """Read every record. An unreadable one stops the driver (StateError naming the file):
+        skipping it would set its devices free for another claim while a VM may have them."""
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise StateError(f"state directory {self._dir}: {error.strerror}") from error
-        for claim in read_prepared_claims(self._dir.parent):
+        for claim in read_prepared_claims(self._dir.parent, strict=True):
             self._claims[claim.uid] = claim
 
     def get(self, uid: str) -> PreparedClaim | None:
@@ -156,9 +156,9 @@ class ClaimStore:
             self._claims.pop(uid, None)
 
 
-def read_prepared_claims(state_dir: Path) -> tuple[PreparedClaim, ...]:
+def read_prepared_claims(state_dir: Path, *, strict: bool = False) -> tuple[PreparedClaim, ...]:
     """The prepared claims recorded under `state_dir` (none when it has no records), changing
-    nothing; an unreadable record is logged and skipped."""
+    nothing; an unreadable record raises StateError when `strict`, else is logged and skipped."""
     directory = state_dir / "claims"
     try:
         paths = sorted(directory.glob("*.json"))
@@ -169,5 +169,10 @@ def read_prepared_claims(state_dir: Path) -> tuple[PreparedClaim, ...]:
         try:
             claims.append(PreparedClaim.from_json(json.loads(path.read_text())))
         except (OSError, ValueError, KeyError, TypeError) as error:
+            if strict:
+                raise StateError(
+                    f"unreadable prepared-claim record {path}: {error}; check which device the"
+                    " claim had (kubevirt-iommufd inspect), then fix or remove the file"
+                ) from error
             log.error("unreadable prepared-claim record %s: %s; left in place", path, error)
     return tuple(claims)

@@ -249,3 +249,15 @@ def test_reset_after_use_resets_before_giving_back(build_host: BuildHost, tmp_pa
         f"sys/bus/pci/devices/{GPU}/driver/unbind", writes.index(f"sys/bus/pci/devices/{GPU}/reset")
     )
     assert drivers(node) == BEFORE
+
+
+def test_a_bind_whose_undo_failed_is_not_tried_again_over_its_journal(node: Node) -> None:
+    journal = JournalEntry(REF.uid, "binding", (Moved(Bdf.parse(GPU), "nvidia", None),), False)
+    path = node.state_dir / "bindings" / f"{REF.uid}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(journal.to_json()))
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, str) and "needs a person" in answer
+    assert json.loads(path.read_text()) == journal.to_json()
+    assert drivers(node) == BEFORE

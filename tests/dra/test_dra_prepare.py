@@ -13,7 +13,7 @@ import pytest
 from cdi_schema import validate_cdi_spec
 from dra.claims import ClaimRef
 from dra.devices import build_devices
-from dra.state import PreparedClaim
+from dra.state import PreparedClaim, StateError
 from dra_testkit import DRIVER, NODE, OTHER, REF, Node
 from hostdev.bdf import Bdf
 from hostdev.config import default_config
@@ -209,3 +209,24 @@ def test_a_function_of_a_group_another_claim_holds_is_refused(
     assert isinstance(answer, str)
     assert "shares IOMMU group 99 with pci-0000-18-00-0 (0000:18:00.0)" in answer
     assert "claim vms/vm-gpus" in answer
+
+
+def test_a_write_failure_is_the_claims_answer_and_the_others_go_on(node: Node) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    node.claims.add(OTHER, [("gpu", "pci-0000-2a-00-0")])
+    # The CDI directory cannot be made: a file stands where it should be.
+    node.paths.cdi_dir.parent.mkdir(parents=True, exist_ok=True)
+    node.paths.cdi_dir.write_text("not a directory")
+    answers = node.preparer.prepare([REF, OTHER])
+    assert all(isinstance(a, str) and "vms/" in a for a in answers.values())
+    node.paths.cdi_dir.unlink()
+    assert isinstance(node.preparer.prepare([OTHER])[OTHER.uid], PreparedClaim)
+
+
+def test_an_unreadable_record_stops_the_driver_naming_the_file(node: Node) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    assert isinstance(node.preparer.prepare([REF])[REF.uid], PreparedClaim)
+    record = node.state_dir / "claims" / f"{REF.uid}.json"
+    record.write_text("{not json")
+    with pytest.raises(StateError, match=f"unreadable prepared-claim record {record}"):
+        node.start()
