@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         api_client = load_api_client(args.kubeconfig)
         api = ResourceApi(api_client)
+    # The client's config loaders raise many kinds of error for a bad or missing kubeconfig.
     except Exception as error:
         print(
             f"kubevirt-iommufd dra: no API server configuration: {error}; run in a pod with a"

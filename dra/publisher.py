@@ -47,10 +47,6 @@ class SlicePublisher:
         """resourceVersions of our own writes, so the watch does not wake us for them."""
         self._backoff = (backoff_first, backoff_max)
         self._threads: list[threading.Thread] = []
-        self.generation = 0
-        self.published = threading.Event()
-        """Set once the API server holds the current devices; cleared while it does not."""
-        self.last_error: str | None = None
 
     def start(self) -> None:
         self._dirty.set()
@@ -72,7 +68,6 @@ class SlicePublisher:
             if tuple(devices) == self._devices:
                 return
             self._devices = tuple(devices)
-        self.published.clear()
         self._dirty.set()
 
     def _reconcile_loop(self) -> None:
@@ -84,8 +79,8 @@ class SlicePublisher:
             self._dirty.clear()
             try:
                 self._reconcile()
+            # Any failure, not only the API's: this thread must outlive it.
             except Exception as error:
-                self.last_error = str(error)
                 if not (isinstance(error, ApiError) and error.conflict):
                     if not isinstance(error, ApiError):
                         log.exception("publishing slices failed unexpectedly")
@@ -95,7 +90,6 @@ class SlicePublisher:
                 self._dirty.set()
                 continue
             delay = self._backoff[0]
-            self.last_error = None
 
     def _reconcile(self) -> None:
         if self._owner is None:
@@ -112,10 +106,6 @@ class SlicePublisher:
                 len(plan.create) + len(plan.update) or 1,
                 plan.generation,
             )
-        self.generation = plan.generation
-        with self._lock:
-            if devices == self._devices:
-                self.published.set()
 
     def _apply(self, plan: SlicePlan) -> None:
         for item in plan.create:
@@ -153,8 +143,8 @@ class SlicePublisher:
                             (item.get("metadata") or {}).get("name"),
                             kind.lower(),
                         )
-                        self.published.clear()
                         self._dirty.set()
+            # Any failure: the watch must come back whatever ended it.
             except Exception as error:
                 if not isinstance(error, ApiError):
                     log.exception("slice watch failed unexpectedly")
