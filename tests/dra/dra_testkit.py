@@ -13,6 +13,7 @@ from dra.api import ApiError
 from dra.binding import OnDemandBinder
 from dra.claims import ClaimRef
 from dra.devices import DraDevice, judge_function
+from dra.driver import DriverSettings
 from dra.prepare import ClaimPreparer, Paths
 from dra.state import ClaimStore
 from hostdev.bdf import Bdf
@@ -116,3 +117,17 @@ def short_directory() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def driver_settings(root: Path, base: Path, rescan_interval: float) -> DriverSettings:
+    """The driver on the simulated node at `root`, its kubelet, CDI and state directories
+    under `base`."""
+    return DriverSettings(
+        node=NODE,
+        driver=DRIVER,
+        root=root,
+        kubelet_dir=base / "kubelet",
+        cdi_dir=base / "cdi",
+        state_dir=base / "state",
+        rescan_interval=rescan_interval,
+    )

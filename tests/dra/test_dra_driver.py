@@ -16,7 +16,7 @@ from cdi_schema import validate_cdi_spec
 from dra.api import ResourceApi
 from dra.claims import ClaimRef
 from dra.driver import DraDriver, DriverSettings
-from dra_testkit import DRIVER, NODE, short_directory
+from dra_testkit import DRIVER, NODE, driver_settings, short_directory
 from hostdev.config import default_config
 from hostdev.pciids import PciIds
 from hostdev.simhost import HostSpec, hgx_h100, scale, unbind_driver
@@ -39,19 +39,10 @@ class Running:
     settings: DriverSettings
 
 
-def start_driver(
-    root: Path, base: Path, apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient
-) -> DraDriver:
-    settings = DriverSettings(
-        node=NODE,
-        driver=DRIVER,
-        root=root,
-        kubelet_dir=base / "kubelet",
-        cdi_dir=base / "cdi",
-        state_dir=base / "state",
-        rescan_interval=0.2,
+def start_driver(root: Path, base: Path, api_client: kubernetes.client.ApiClient) -> DraDriver:
+    driver = DraDriver(
+        driver_settings(root, base, 0.2), default_config(), PciIds(None), ResourceApi(api_client)
     )
-    driver = DraDriver(settings, default_config(), PciIds(None), ResourceApi(api_client))
     driver.start()
     return driver
 
@@ -65,7 +56,7 @@ def running(
     apiserver.put_node(NODE)
     root = scenario_root("hgx-h100")
     with short_directory() as base:
-        driver = start_driver(root, base, apiserver, api_client)
+        driver = start_driver(root, base, api_client)
         with DRAKubeletStandIn(base / "kubelet", info_poll_interval=None) as kubelet:
             kubelet.wait_registered(DRIVER)
             try:
@@ -172,7 +163,7 @@ def test_a_node_of_300_functions_is_split_into_full_slices(
     # Publication of 4,096 functions is measured in bench/dra.py; 300 splits into 3 slices.
     root = build_host(scale(300))
     with short_directory() as base:
-        driver = start_driver(root, base, apiserver, api_client)
+        driver = start_driver(root, base, api_client)
         try:
             count = len(driver.devices)
             assert count > 128
@@ -215,7 +206,7 @@ def test_group_companions_of_a_prepared_device_leave_the_slice(
         "vms", "vm-gpu", [AllocatedDevice("gpu", DRIVER, NODE, "pci-0000-18-00-0")], NODE
     )
     with short_directory() as base:
-        driver = start_driver(root, base, apiserver, api_client)
+        driver = start_driver(root, base, api_client)
         try:
             assert apiserver.wait_until(lambda: len(published(apiserver)) == 8)
             ref = ClaimRef("vms", "vm-gpu", stored["metadata"]["uid"])

@@ -10,8 +10,8 @@ from pathlib import Path
 import kubernetes.client
 
 from dra.api import ResourceApi
-from dra.driver import DraDriver, DriverSettings
-from dra_testkit import DRIVER, NODE, short_directory
+from dra.driver import DraDriver
+from dra_testkit import NODE, driver_settings, short_directory
 from hostdev.config import default_config
 from hostdev.feature_file import FeatureFile
 from hostdev.label_publisher import LabelPublisher
@@ -39,15 +39,7 @@ def test_the_driver_publishes_labels_and_takes_them_back_on_stop(
     labeler = NodeLabeler(api_client, NODE, retry_first=0.05)
     labeler.start()
     with short_directory() as base:
-        settings = DriverSettings(
-            node=NODE,
-            driver=DRIVER,
-            root=root,
-            kubelet_dir=base / "kubelet",
-            cdi_dir=base / "cdi",
-            state_dir=base / "state",
-            rescan_interval=0.1,
-        )
+        settings = driver_settings(root, base, 0.1)
         labels = LabelPublisher(FeatureFile(path, "dra"), labeler)
         driver = DraDriver(
             settings, default_config(), PciIds(None), ResourceApi(api_client), labels=labels
