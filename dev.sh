@@ -80,7 +80,7 @@ case "$command" in
         setup
         # As modules from the repository root: a bench may import another's helpers (bench.webhook).
         for script in bench/*.py; do
-            [ "$(basename "$script")" = __init__.py ] && continue
+            case "$(basename "$script")" in __init__.py | benchkit.py) continue ;; esac
             log "$script"
             "$VENV/bin/python" -m "bench.$(basename "$script" .py)"
         done

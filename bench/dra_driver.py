@@ -14,8 +14,8 @@ kubeconfig), on a simulated 8-GPU node and on a 4,096-function node. Printed per
 - the driver process's peak RSS (VmHWM).
 The machine's pci.ids is used, as the image has it. CDI specs go to tmpfs (/dev/shm), as
 /var/run/cdi is on a node; the state directory with the metadata files stays on disk, where each
-atomic write is two fsyncs. Run: `python bench/dra_driver.py` (or
-`./dev.sh bench`); on a shared machine, under `nice`.
+atomic write is two fsyncs. Run: `python -m bench.dra_driver`
+(or `./dev.sh bench`); on a shared machine, under `nice`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench.benchkit import peak_rss_mb, print_rows
 from hostdev.simhost import HostSpec, build_tree, hgx_h100, scale
 from kubevirt_iommufd.apiserver_standin import (
     AllocatedDevice,
@@ -172,19 +173,9 @@ def timed(call: Callable[[list[Claim]], T], claims: list[Claim], into: list[floa
     return result
 
 
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc status")
-
-
 def main() -> int:
     rows = bench_node("8 GPUs", hgx_h100()) + bench_node("4,096 functions", scale(4096))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    print(f"{'node':<{widths[0]}}  {'measure':<{widths[1]}}  result")
-    for node, measure, result in rows:
-        print(f"{node:<{widths[0]}}  {measure:<{widths[1]}}  {result}")
+    print_rows(rows)
     return 0
 
 

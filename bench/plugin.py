@@ -11,7 +11,7 @@ The plugin runs as its own process (`kubevirt-iommufd plugin`), as on a node, on
 - the plugin process's peak RSS (VmHWM).
 Targets: Allocate p99 < 2 ms for 8 devices; re-registration < 100 ms p50 and < 1 s max;
 health propagation < 100 ms both ways; start -> Register < 1 s; peak RSS < 60 MB.
-Run: `python bench/plugin.py` (or `./dev.sh bench`).
+Run: `python -m bench.plugin` (or `./dev.sh bench`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.benchkit import peak_rss_mb, print_rows
 from hostdev.simhost import HostSpec, build_tree, hgx_h100, scale
 from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 
@@ -146,19 +147,9 @@ def health_rows(
     ]
 
 
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc status")
-
-
 def main() -> int:
     rows = bench_node("8 GPUs", hgx_h100()) + bench_node("4,096 functions", scale(4096))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    print(f"{'node':<{widths[0]}}  {'measure':<{widths[1]}}  result")
-    for node, measure, result in rows:
-        print(f"{node:<{widths[0]}}  {measure:<{widths[1]}}  {result}")
+    print_rows(rows)
     return 0
 
 
