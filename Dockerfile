@@ -19,6 +19,7 @@ COPY deviceplugin deviceplugin
 COPY launcher_hook launcher_hook
 COPY webhook webhook
 COPY dra dra
+COPY sim sim
 COPY kubevirt_iommufd kubevirt_iommufd
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench.benchkit import peak_rss_mb, print_rows
-from hostdev.simhost import HostSpec, build_tree, hgx_h100, scale
-from kubevirt_iommufd.apiserver_standin import (
+from sim.apiserver import (
     AllocatedDevice,
     ApiServerStandIn,
     build_resource_claim,
     running_apiserver,
 )
-from kubevirt_iommufd.dra_kubelet_standin import Claim, DRAKubeletStandIn
+from sim.dra_kubelet import Claim, DRAKubeletStandIn
+from sim.host import HostSpec, build_tree, hgx_h100, scale
 
 DRIVER = "vfio.kubevirt-iommufd.io"
 NODE = "bench-node"

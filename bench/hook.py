@@ -23,7 +23,6 @@ import grpc
 from lxml import etree
 
 from hostdev.bdf import Bdf
-from hostdev.simhost import build_tree, scale
 from launcher_hook.capabilities import read_capabilities
 from launcher_hook.domain import pci_sources, rewrite_domain
 from launcher_hook.hooks.info import api_pb2 as info_pb2
@@ -31,6 +30,7 @@ from launcher_hook.hooks.info import api_pb2_grpc as info_grpc
 from launcher_hook.hooks.v1alpha3 import api_pb2 as v1alpha3_pb2
 from launcher_hook.hooks.v1alpha3 import api_pb2_grpc as v1alpha3_grpc
 from launcher_hook.model import LibvirtVersion, Policy, Sourced
+from sim.host import build_tree, scale
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests/launcher_hook/data/kubevirt-gpus.xml"

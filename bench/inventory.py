@@ -1,7 +1,7 @@
 """Discovery benchmark: time to scan 64, 512 and 4,096 PCI functions, and peak memory.
 
 Each size runs in its own process, so its peak RSS is its own: the process builds a simulated
-node (hostdev.simhost.scale) in a temporary directory, scans it once to warm the page cache, then
+node (sim.host.scale) in a temporary directory, scans it once to warm the page cache, then
 times five scans and reports the median. Target: 4,096 functions in under 150 ms, growing
 linearly. Run: `python bench/inventory.py` (or `./dev.sh bench`).
 """
@@ -24,7 +24,7 @@ TARGET_MS = 150.0
 
 def measure(count: int) -> dict[str, float]:
     from hostdev.scan import scan_host
-    from hostdev.simhost import build_tree, scale
+    from sim.host import build_tree, scale
 
     with tempfile.TemporaryDirectory(prefix="bench-inventory-") as tree:
         root = build_tree(scale(count), Path(tree))

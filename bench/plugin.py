@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.benchkit import peak_rss_mb, print_rows
-from hostdev.simhost import HostSpec, build_tree, hgx_h100, scale
-from kubevirt_iommufd.kubelet_standin import KubeletStandIn
+from sim.host import HostSpec, build_tree, hgx_h100, scale
+from sim.kubelet import KubeletStandIn
 
 IOMMUFD = "devices.kubevirt.io/iommufd"
 RESOURCE = "nvidia.com/2330"  # no pci.ids in the benchmark: the name is the device id

@@ -13,12 +13,12 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from hostdev.config import ConfigError, PluginConfig, default_config, load_config
-from hostdev.label_publisher import add_label_arguments, build_label_publisher, feature_file_path
+from hostdev.labels.publisher import add_label_arguments, build_label_publisher, feature_file_path
 from hostdev.pciids import PciIds
 
 if TYPE_CHECKING:
     from deviceplugin.iommufd_handoff import IommufdHandoff
-    from hostdev.node_patch import NodeLabeler
+    from hostdev.labels.node_patch import NodeLabeler
 
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
 log = logging.getLogger("deviceplugin")
@@ -159,8 +159,8 @@ def apply_flags(config: PluginConfig, args: argparse.Namespace) -> PluginConfig:
 
 
 def _node_labeler(args: argparse.Namespace) -> NodeLabeler:
-    from hostdev.kube_client import load_api_client
-    from hostdev.node_patch import NodeLabeler
+    from hostdev.labels.kube_client import load_api_client
+    from hostdev.labels.node_patch import NodeLabeler
 
     if not args.node_name:
         raise ValueError("--label-node needs the node's name: pass --node-name or set NODE_NAME")

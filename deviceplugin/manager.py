@@ -40,14 +40,14 @@ from deviceplugin.watch import (
     WatchEvent,
 )
 from hostdev.bdf import Bdf
+from hostdev.binding.sysfs_write import KernelSysfs, SysfsWriter
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
-from hostdev.label_publisher import LabelPublisher
+from hostdev.labels.node_labels import build_node_labels
+from hostdev.labels.publisher import LabelPublisher
 from hostdev.model import HostInventory
-from hostdev.node_labels import build_node_labels
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
-from hostdev.sysfs_write import KernelSysfs, SysfsWriter
 
 log = logging.getLogger(__name__)
 

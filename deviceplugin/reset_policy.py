@@ -116,7 +116,7 @@ def observe_assignments(
 
 
 def observe_reset(state: ResetState, key: Key, status: str, message: str, now: float) -> ResetState:
-    """Fold in a finished reset; `status` is a hostdev.reset.ResetStatus value."""
+    """Fold in a finished reset; `status` is a hostdev.binding.reset.ResetStatus value."""
     if state.phase(key) is not Phase.RESETTING:
         return state  # the device left the tree meanwhile
     if status in ("reset", "no-method"):

@@ -1,6 +1,6 @@
 """The shell around deviceplugin.reset_policy: holds the reset state for the manager's thread,
 runs resets in a worker thread and reports them back as events, and logs every step. Each reset
-holds the node's binding lock (hostdev.binding_lock), so it never races a bind or unbind."""
+holds the node's binding lock (hostdev.binding.lock), so it never races a bind or unbind."""
 
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from deviceplugin.reset_policy import (
     unhealthy_reasons,
 )
 from hostdev.bdf import Bdf
-from hostdev.binding_lock import BindingLockBusy, hold_binding_lock
+from hostdev.binding.lock import BindingLockBusy, hold_binding_lock
+from hostdev.binding.reset import ResetOutcome, ResetStatus, reset_function
+from hostdev.binding.sysfs_write import SysfsWriter
 from hostdev.errors import HostdevError
 from hostdev.model import HostInventory
-from hostdev.reset import ResetOutcome, ResetStatus, reset_function
 from hostdev.scan import read_function
-from hostdev.sysfs_write import SysfsWriter
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """On-demand binding: a device on its host driver moves to VFIO when a VM's claim on it is
 prepared, and goes back when the claim is released — with the same machinery, checks and lock
-as `kubevirt-iommufd bind`/`unbind` (hostdev.bind), never around them.
+as `kubevirt-iommufd bind`/`unbind` (hostdev.binding.bind), never around them.
 
 Every move is written down before the first sysfs write: a journal entry per claim under the
 state directory names each function of the move and the driver and override it had. The entry
@@ -21,12 +21,12 @@ from typing import Any
 
 from hostdev.atomic_file import sync_directory, write_file_atomically
 from hostdev.bdf import Bdf
-from hostdev.bind import HostAccess, Outcome, Status, bind_devices, unbind_devices
-from hostdev.bind_plan import AUTO, BindRequest
-from hostdev.binding_lock import BindingLock, BindingLockBusy, hold_binding_lock
+from hostdev.binding.bind import HostAccess, Outcome, Status, bind_devices, unbind_devices
+from hostdev.binding.lock import BindingLock, BindingLockBusy, hold_binding_lock
+from hostdev.binding.plan import AUTO, BindRequest
+from hostdev.binding.reset import ResetStatus, reset_function
 from hostdev.errors import HostdevError
 from hostdev.model import is_vfio_driver
-from hostdev.reset import ResetStatus, reset_function
 from hostdev.scan import scan_host
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from hostdev.config import ConfigError, default_config, load_config
-from hostdev.label_publisher import add_label_arguments, build_label_publisher, feature_file_path
+from hostdev.labels.publisher import add_label_arguments, build_label_publisher, feature_file_path
 from hostdev.pciids import PciIds
 
 DEFAULT_DRIVER = "vfio.kubevirt-iommufd.io"
@@ -24,7 +24,7 @@ _DNS_SUBDOMAIN = re.compile(
     r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 )
 if TYPE_CHECKING:
-    from hostdev.node_patch import NodeLabeler
+    from hostdev.labels.node_patch import NodeLabeler
 
 log = logging.getLogger("dra")
 
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from dra.driver import DraDriver, DriverSettings
     from dra.state import StateError
     from hostdev.errors import HostdevError
-    from hostdev.kube_client import load_api_client
+    from hostdev.labels.kube_client import load_api_client
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _node_labeler(api_client: Any, node: str) -> NodeLabeler:
-    from hostdev.node_patch import NodeLabeler
+    from hostdev.labels.node_patch import NodeLabeler
 
     labeler = NodeLabeler(api_client, node)
     labeler.start()

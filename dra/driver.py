@@ -25,13 +25,13 @@ from dra.publisher import SlicePublisher
 from dra.servicer import DraServicerV1, DraServicerV1beta1
 from dra.state import ClaimStore
 from hostdev.bdf import Bdf
-from hostdev.bind import HostAccess
+from hostdev.binding.bind import HostAccess
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
 from hostdev.errors import HostdevError
-from hostdev.label_publisher import LabelPublisher
+from hostdev.labels.node_labels import build_node_labels
+from hostdev.labels.publisher import LabelPublisher
 from hostdev.model import HostInventory
-from hostdev.node_labels import build_node_labels
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
 
@@ -151,8 +151,8 @@ class DraDriver:
         self._publish_labels(devices)
 
     def _publish_labels(self, devices: tuple[DraDevice, ...]) -> None:
-        """The node labels (hostdev.node_labels) from the published devices: per resource, how
-        many hand out their cdev and /dev/iommu."""
+        """The node labels (hostdev.labels.node_labels) from the published devices: per
+        resource, how many hand out their cdev and /dev/iommu."""
         if self._labels is None:
             return
         counts: dict[str, int] = {}

@@ -1,7 +1,14 @@
-"""The node's devices as plain data: PCI functions, IOMMU groups, cdevs and iommufd support.
+"""The ground floor every component stands on: the node's devices and what may be done to them.
 
-Discovery (`scan_host`) reads a rooted sysfs/dev; everything else here is a pure function of what
-it found. Used by every component; imports none of them.
+- The model and discovery (this package's modules): `scan_host` reads a rooted sysfs/dev into
+  plain immutable data (`model`: PCI functions, IOMMU groups, cdevs, iommufd support);
+  `assess`, `selection`, `naming` and `config` are pure functions of it and of the node's
+  configuration; `device_events` and `unix_socket` are the small IO pieces two components share.
+- `hostdev.binding`: moving functions between drivers (plan, sysfs writes, lock, reset) — IO.
+- `hostdev.labels`: the node's `kubevirt-iommufd.io/` labels, computed purely and published
+  through NFD's feature file or a Node patch — IO.
+
+Imports no component, no CLI and no simulation (tests/test_import_contracts.py).
 """
 
 from hostdev.assess import Assessment, Backend, assess_function

@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from hostdev.bdf import Bdf
-from hostdev.bind import (
+from hostdev.binding.bind import (
     HostAccess,
     Outcome,
     Requests,
@@ -19,14 +19,14 @@ from hostdev.bind import (
     run_command,
     unbind_devices,
 )
-from hostdev.bind_plan import AUTO, BindRequest
-from hostdev.bind_report import EXIT_CODES, SCHEMA, build_bind_document, render_bind_table
-from hostdev.binding_lock import LockHolder
+from hostdev.binding.lock import LockHolder
+from hostdev.binding.plan import AUTO, BindRequest
+from hostdev.binding.sysfs_write import KernelSysfs, SysfsWriter
 from hostdev.errors import HostdevError, InvalidBdf
 from hostdev.model import HostInventory
-from hostdev.reservations import ReservationError, load_reservations, resolve_reservations
 from hostdev.selector import DeviceSelector, InvalidSelector, select_functions
-from hostdev.sysfs_write import KernelSysfs, SysfsWriter
+from kubevirt_iommufd.bind_report import EXIT_CODES, SCHEMA, build_bind_document, render_bind_table
+from kubevirt_iommufd.reservations import ReservationError, load_reservations, resolve_reservations
 
 EXIT_HELP = (
     "Exit status: 0 done or nothing to do, 1 refused (nothing changed) or an error, 2 a usage"

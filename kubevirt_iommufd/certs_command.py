@@ -105,7 +105,7 @@ def ensure_certificate(core: Any, admission: Any, target: CertsTarget) -> None:
     from kubernetes.client import V1ObjectMeta, V1Secret
     from kubernetes.client.exceptions import ApiException
 
-    from kubevirt_iommufd.certs import build_serving_certificate
+    from webhook.certs import build_serving_certificate
 
     secret = None
     try:

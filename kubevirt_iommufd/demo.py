@@ -42,14 +42,11 @@ from deviceplugin.metrics import PluginMetrics
 from hostdev.config import IommufdConfig, default_config
 from hostdev.naming import pci_resource_env
 from hostdev.pciids import PciIds
-from hostdev.report import build_report, render_table
 from hostdev.scan import scan_host
-from hostdev.simhost import build_tree, hgx_h100
-from kubevirt_iommufd.certs import build_serving_certificate
 from kubevirt_iommufd.demo_checks import Checks
 from kubevirt_iommufd.demo_command import SCENARIOS, Scenario
 from kubevirt_iommufd.demo_dra import run_dra
-from kubevirt_iommufd.kubelet_standin import KubeletStandIn
+from kubevirt_iommufd.inspect_report import build_report, render_table
 from launcher_hook.capabilities import LibvirtVersionSource
 from launcher_hook.domain import DECISION_NS
 from launcher_hook.handler import HookConfig, define_domain
@@ -59,6 +56,9 @@ from launcher_hook.hooks.v1alpha3 import api_pb2 as hooks_pb2
 from launcher_hook.hooks.v1alpha3 import api_pb2_grpc as hooks_grpc
 from launcher_hook.model import LibvirtVersion, Policy
 from launcher_hook.server import HookServer
+from sim.host import build_tree, hgx_h100
+from sim.kubelet import KubeletStandIn
+from webhook.certs import build_serving_certificate
 from webhook.config import IOMMUFD_RESOURCE
 from webhook.config import parse_config as parse_webhook_config
 from webhook.plan import pointer

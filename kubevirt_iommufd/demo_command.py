@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from hostdev.simhost import HostSpec, hgx_h100, legacy_only
+from sim.host import HostSpec, hgx_h100, legacy_only
 
 
 @dataclass(frozen=True, slots=True)

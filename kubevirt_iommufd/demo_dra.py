@@ -23,16 +23,16 @@ from hostdev.config import default_config
 from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
-from hostdev.simhost import build_tree
-from kubevirt_iommufd.apiserver_standin import (
+from kubevirt_iommufd.demo_checks import Checks
+from kubevirt_iommufd.demo_command import Scenario
+from sim.apiserver import (
     AllocatedDevice,
     ApiServerStandIn,
     build_resource_claim,
     running_apiserver,
 )
-from kubevirt_iommufd.demo_checks import Checks
-from kubevirt_iommufd.demo_command import Scenario
-from kubevirt_iommufd.dra_kubelet_standin import Claim, DRAKubeletStandIn, PrepareResult
+from sim.dra_kubelet import Claim, DRAKubeletStandIn, PrepareResult
+from sim.host import build_tree
 
 NODE = "gpu-node-1"
 NAMESPACE = "vms"

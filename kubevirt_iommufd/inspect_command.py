@@ -11,11 +11,11 @@ from pathlib import Path
 from hostdev.bdf import Bdf
 from hostdev.config import ConfigError, PluginConfig, default_config, load_config
 from hostdev.errors import HostdevError
-from hostdev.node_labels import build_node_labels, count_iommufd_devices
+from hostdev.labels.node_labels import build_node_labels, count_iommufd_devices
 from hostdev.pciids import PciIds
-from hostdev.report import SCHEMA, build_report, render_table
 from hostdev.scan import scan_host
-from hostdev.simhost import SCENARIOS, build_tree
+from kubevirt_iommufd.inspect_report import SCHEMA, build_report, render_table
+from sim.host import SCENARIOS, build_tree
 
 DRA_STATE_DIR = "var/lib/kubevirt-iommufd/dra"
 

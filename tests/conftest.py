@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hostdev.simhost import SCENARIOS, BuildHost, HostSpec, build_tree
+from sim.host import SCENARIOS, BuildHost, HostSpec, build_tree
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def build_host(tmp_path: Path) -> BuildHost:
 
 @pytest.fixture
 def scenario_root(build_host: BuildHost) -> Callable[[str], Path]:
-    """The root of a named built-in scenario (see hostdev.simhost.SCENARIOS)."""
+    """The root of a named built-in scenario (see sim.host.SCENARIOS)."""
 
     def build(name: str) -> Path:
         return build_host(SCENARIOS[name]())

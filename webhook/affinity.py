@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hostdev.node_labels import IOMMUFD_LABEL
+from hostdev.labels.node_labels import IOMMUFD_LABEL
 from hostdev.untrusted import quote_untrusted
 from webhook.plan import Operation, Plan, listing, mapping, pointer
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from hostdev.simhost import legacy_only
 from kubevirt_iommufd import demo_command
 from kubevirt_iommufd.cli import main
+from sim.host import legacy_only
 
 
 def run_demo(capsys: pytest.CaptureFixture[str], scenario: str) -> tuple[int, str]:

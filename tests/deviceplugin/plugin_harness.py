@@ -15,10 +15,10 @@ from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
 from hostdev.config import PluginConfig, default_config
-from hostdev.label_publisher import LabelPublisher
+from hostdev.labels.publisher import LabelPublisher
 from hostdev.pciids import PciIds
-from hostdev.simhost import SCENARIOS, BuildHost
-from kubevirt_iommufd.kubelet_standin import KubeletStandIn
+from sim.host import SCENARIOS, BuildHost
+from sim.kubelet import KubeletStandIn
 
 H100 = "nvidia.com/GH100H100_SXM5_80GB"
 IOMMUFD = "devices.kubevirt.io/iommufd"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hostdev.simhost import BuildHost, hgx_h100
-from kubevirt_iommufd.kubelet_standin import KubeletStandIn
+from sim.host import BuildHost, hgx_h100
+from sim.kubelet import KubeletStandIn
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import pytest
 
 from deviceplugin.v1beta1 import api_pb2
 from hostdev.config import PluginConfig, default_config
-from hostdev.simhost import BuildHost
 from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
+from sim.host import BuildHost
 
 MEGABYTE_ID = "0000:18:00.0" + "x" * 1_000_000
 FORGED_ID = "0000:01:00.0\n2026-01-01 INFO deviceplugin.servicer allocated resource=forged"

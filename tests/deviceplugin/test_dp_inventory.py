@@ -20,7 +20,7 @@ from hostdev.config import (
 )
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
-from hostdev.simhost import bind_driver, unbind_driver
+from sim.host import bind_driver, unbind_driver
 
 ScenarioRoot = Callable[[str], Path]
 H100 = "nvidia.com/GH100H100_SXM5_80GB"

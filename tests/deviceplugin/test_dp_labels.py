@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from hostdev.config import DeviceMode, NodeLabelsConfig, default_config
-from hostdev.feature_file import FeatureFile
-from hostdev.label_publisher import LabelPublisher, feature_file_path
-from hostdev.node_patch import NodeLabeler
-from hostdev.simhost import BuildHost, unbind_driver
-from kubevirt_iommufd.apiserver_standin import running_apiserver
+from hostdev.labels.feature_file import FeatureFile
+from hostdev.labels.node_patch import NodeLabeler
+from hostdev.labels.publisher import LabelPublisher, feature_file_path
 from kubevirt_iommufd.cli import main
 from plugin_harness import H100, Plugin, plugin_starter, short_directory
+from sim.apiserver import running_apiserver
+from sim.host import BuildHost, unbind_driver
 
 GPUS = [
     "0000:18:00.0",

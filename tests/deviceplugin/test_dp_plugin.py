@@ -20,8 +20,8 @@ from hostdev.config import (
     Selectors,
     default_config,
 )
-from hostdev.simhost import BuildHost, bind_driver, unbind_driver
 from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
+from sim.host import BuildHost, bind_driver, unbind_driver
 
 GPUS = [
     "0000:18:00.0",

@@ -24,8 +24,8 @@ from deviceplugin.reset_policy import (
 from hostdev.config import ConfigError, default_config, parse_config
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
-from hostdev.simhost import BuildHost, hgx_h100
 from kubevirt_iommufd.cli import build_parser
+from sim.host import BuildHost, hgx_h100
 
 H100 = "nvidia.com/H100"
 A: Key = (H100, "0000:18:00.0")

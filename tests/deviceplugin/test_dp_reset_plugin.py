@@ -19,12 +19,12 @@ import pytest
 from deviceplugin import resetter
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
-from hostdev.binding_lock import LockHolder, hold_binding_lock, read_lock_holder
+from hostdev.binding.lock import LockHolder, hold_binding_lock, read_lock_holder
 from hostdev.config import PluginConfig, parse_config
 from hostdev.pciids import PciIds
-from hostdev.simhost import BuildHost, hgx_h100
-from kubevirt_iommufd.kubelet_standin import KubeletStandIn
 from podresources_standin import PodResourcesStandIn
+from sim.host import BuildHost, hgx_h100
+from sim.kubelet import KubeletStandIn
 
 H100 = "nvidia.com/H100"
 GPU = "0000:18:00.0"

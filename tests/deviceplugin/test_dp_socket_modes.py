@@ -15,8 +15,8 @@ import pytest
 
 from deviceplugin.registration import RegistrationError, register_with_kubelet
 from deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from hostdev.simhost import BuildHost
 from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
+from sim.host import BuildHost
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import kubernetes.client
 import pytest
 
 from k8s_schema import schema_errors
-from kubevirt_iommufd.apiserver_standin import ApiServerStandIn, running_apiserver
+from sim.apiserver import ApiServerStandIn, running_apiserver
 
 
 @pytest.fixture

@@ -17,11 +17,11 @@ from dra.driver import DriverSettings
 from dra.prepare import ClaimPreparer, Paths
 from dra.state import ClaimStore
 from hostdev.bdf import Bdf
-from hostdev.bind import HostAccess
+from hostdev.binding.bind import HostAccess
 from hostdev.config import PluginConfig, default_config
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
-from hostdev.simkernel import KernelSimulator
+from sim.kernel import KernelSimulator
 
 DRIVER = "vfio.kubevirt-iommufd.io"
 NODE = "node-a"

@@ -8,7 +8,7 @@ from typing import Any
 
 import kubernetes_validate
 
-from kubevirt_iommufd.apiserver_rules import FieldError
+from sim.apiserver_rules import FieldError
 
 K8S_VERSION = "1.37"
 

@@ -18,13 +18,13 @@ from kubernetes.client import ApiException, CoreV1Api, ResourceV1Api, V1Resource
 from kubernetes.watch import Watch
 
 from k8s_schema import assert_valid, schema_errors
-from kubevirt_iommufd.apiserver_rules import validate_resource_slice
-from kubevirt_iommufd.apiserver_standin import (
+from sim.apiserver import (
     AllocatedDevice,
     ApiServerStandIn,
     build_resource_claim,
     running_apiserver,
 )
+from sim.apiserver_rules import validate_resource_slice
 
 DRIVER = "vfio.kubevirt-iommufd.io"
 Obj = dict[str, Any]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dra_testkit import DRIVER, NODE, short_directory
-from kubevirt_iommufd.apiserver_standin import ApiServerStandIn
-from kubevirt_iommufd.dra_kubelet_standin import DRAKubeletStandIn
+from sim.apiserver import ApiServerStandIn
+from sim.dra_kubelet import DRAKubeletStandIn
 
 ScenarioRoot = Callable[[str], Path]
 

@@ -12,7 +12,7 @@ from hostdev.bdf import Bdf
 from hostdev.config import PluginConfig, ResourceConfig, Selectors, default_config
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
-from hostdev.simhost import unbind_driver
+from sim.host import unbind_driver
 
 ScenarioRoot = Callable[[str], Path]
 H100 = "nvidia.com/GH100H100_SXM5_80GB"

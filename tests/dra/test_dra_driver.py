@@ -19,13 +19,13 @@ from dra.driver import DraDriver, DriverSettings
 from dra_testkit import DRIVER, NODE, driver_settings, short_directory
 from hostdev.config import default_config
 from hostdev.pciids import PciIds
-from hostdev.simhost import HostSpec, hgx_h100, scale, unbind_driver
-from kubevirt_iommufd.apiserver_standin import (
+from sim.apiserver import (
     AllocatedDevice,
     ApiServerStandIn,
     build_resource_claim,
 )
-from kubevirt_iommufd.dra_kubelet_standin import Claim, DRAKubeletStandIn
+from sim.dra_kubelet import Claim, DRAKubeletStandIn
+from sim.host import HostSpec, hgx_h100, scale, unbind_driver
 
 ScenarioRoot = Callable[[str], Path]
 

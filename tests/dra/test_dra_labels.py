@@ -13,12 +13,12 @@ from dra.api import ResourceApi
 from dra.driver import DraDriver
 from dra_testkit import NODE, driver_settings, short_directory
 from hostdev.config import default_config
-from hostdev.feature_file import FeatureFile
-from hostdev.label_publisher import LabelPublisher
-from hostdev.node_patch import NodeLabeler
+from hostdev.labels.feature_file import FeatureFile
+from hostdev.labels.node_patch import NodeLabeler
+from hostdev.labels.publisher import LabelPublisher
 from hostdev.pciids import PciIds
-from hostdev.simhost import unbind_driver
-from kubevirt_iommufd.apiserver_standin import ApiServerStandIn
+from sim.apiserver import ApiServerStandIn
+from sim.host import unbind_driver
 
 ScenarioRoot = Callable[[str], Path]
 GPUS = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"]

@@ -18,16 +18,16 @@ from dra.devices import build_devices
 from dra.state import PreparedClaim
 from dra_testkit import REF, Node
 from hostdev.bdf import Bdf
-from hostdev.binding_lock import hold_binding_lock
+from hostdev.binding.lock import hold_binding_lock
 from hostdev.config import Binding, PluginConfig, ResourceConfig, Selectors
 from hostdev.scan import scan_host
-from hostdev.simhost import (
+from sim.host import (
     CLASS_PCI_BRIDGE,
     BuildHost,
     FunctionSpec,
     HostSpec,
 )
-from hostdev.simkernel import KernelSimulator, hold
+from sim.kernel import KernelSimulator, hold
 
 NVIDIA = 0x10DE
 GPU, AUDIO, BRIDGE = "0000:3b:00.0", "0000:3b:00.1", "0000:3a:00.0"

@@ -18,7 +18,7 @@ from dra_testkit import DRIVER, NODE, OTHER, REF, Node
 from hostdev.bdf import Bdf
 from hostdev.config import default_config
 from hostdev.scan import scan_host
-from hostdev.simhost import BuildHost, hgx_h100, unbind_driver
+from sim.host import BuildHost, hgx_h100, unbind_driver
 
 ScenarioRoot = Callable[[str], Path]
 

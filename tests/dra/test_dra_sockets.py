@@ -16,7 +16,7 @@ from dra.pluginregistration.v1 import api_pb2 as reg_pb2
 from dra.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from dra.servicer import DraServicerV1, DraServicerV1beta1
 from dra_testkit import DRIVER, REF, Node, short_directory
-from kubevirt_iommufd.dra_kubelet_standin import Claim, DRAKubeletStandIn
+from sim.dra_kubelet import Claim, DRAKubeletStandIn
 
 ScenarioRoot = Callable[[str], Path]
 

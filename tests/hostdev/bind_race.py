@@ -25,14 +25,14 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
-from hostdev.simkernel import KernelSimulator
 from kubevirt_iommufd import bind_command
+from sim.kernel import KernelSimulator
 
 HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from hostdev.binding_lock import hold_binding_lock
+    from hostdev.binding.lock import hold_binding_lock
     with hold_binding_lock(Path(sys.argv[1]), 0, who=sys.argv[3]):
         print("held", flush=True)
         time.sleep(float(sys.argv[2]))

@@ -1,4 +1,4 @@
-"""Binding and unbinding against fixture trees that react like the kernel (simkernel):
+"""Binding and unbinding against fixture trees that react like the kernel (sim.kernel):
 the writes made, every refusal, waiting, and the rollback when a step fails."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 
 from hostdev.assess import Backend, assess_function
 from hostdev.bdf import Bdf
-from hostdev.bind import HostAccess, Outcome, Status, bind_devices, unbind_devices
-from hostdev.bind_plan import BindRequest
+from hostdev.binding.bind import HostAccess, Outcome, Status, bind_devices, unbind_devices
+from hostdev.binding.plan import BindRequest
 from hostdev.scan import scan_host
-from hostdev.simhost import (
+from sim.host import (
     CLASS_AUDIO,
     CLASS_ETHERNET,
     CLASS_NVME,
@@ -29,7 +29,7 @@ from hostdev.simhost import (
     no_iommu,
     sriov_nic,
 )
-from hostdev.simkernel import KernelSimulator, hold, release
+from sim.kernel import KernelSimulator, hold, release
 
 B = Bdf.parse
 GPU = "0000:3b:00.0"

@@ -7,24 +7,24 @@ from pathlib import Path
 import pytest
 
 from hostdev.bdf import Bdf
-from hostdev.bind_plan import BindRequest, plan_bind
-from hostdev.driver_match import (
+from hostdev.binding.driver_match import (
     VfioAlias,
     choose_vfio_driver,
     driver_names,
     parse_modules_alias,
     same_driver,
 )
-from hostdev.reservations import (
+from hostdev.binding.plan import BindRequest, plan_bind
+from hostdev.binding.usage import FunctionUsage
+from hostdev.scan import scan_host
+from hostdev.selector import DeviceSelector, InvalidSelector
+from kubevirt_iommufd.reservations import (
     ReservationError,
     load_reservations,
     parse_reservations,
     resolve_reservations,
 )
-from hostdev.scan import scan_host
-from hostdev.selector import DeviceSelector, InvalidSelector
-from hostdev.simhost import BuildHost, hgx_h100, nvidia_driver
-from hostdev.usage import FunctionUsage
+from sim.host import BuildHost, hgx_h100, nvidia_driver
 
 B = Bdf.parse
 GRACE_GPU = "pci:v000010DEd00002342sv000010DEsd000016EBbc03sc02i00"

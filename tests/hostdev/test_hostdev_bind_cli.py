@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from bind_race import held_elsewhere
-from hostdev.binding_lock import LOCK_PATH, hold_binding_lock
-from hostdev.simhost import (
+from hostdev.binding.lock import LOCK_PATH, hold_binding_lock
+from kubevirt_iommufd import bind_command
+from sim.host import (
     CLASS_AUDIO,
     CLASS_VGA,
     NVIDIA,
@@ -23,8 +24,7 @@ from hostdev.simhost import (
     HostSpec,
     hgx_h100,
 )
-from hostdev.simkernel import KernelSimulator, hold
-from kubevirt_iommufd import bind_command
+from sim.kernel import KernelSimulator, hold
 
 GPU = "0000:3b:00.0"
 AUDIO = "0000:3b:00.1"

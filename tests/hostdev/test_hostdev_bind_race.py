@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from bind_race import race_worker
-from hostdev.simhost import BuildHost, FunctionSpec, HostSpec
-from hostdev.simkernel import KernelSimulator
+from sim.host import BuildHost, FunctionSpec, HostSpec
+from sim.kernel import KernelSimulator
 
 DEVICE = "0000:00:04.0"
 ROUNDS = 24

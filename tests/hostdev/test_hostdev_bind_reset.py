@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 
 from hostdev.bdf import Bdf
+from hostdev.binding.reset import ResetStatus, reset_function
 from hostdev.pciids import PciIds
-from hostdev.report import NO_RESET_WARNING, build_report, render_table
-from hostdev.reset import ResetStatus, reset_function
 from hostdev.scan import read_reset_methods, refresh_host, scan_host
-from hostdev.simhost import CLASS_3D, NVIDIA, BuildHost, FunctionSpec, HostSpec
-from hostdev.simkernel import KernelSimulator, hold
+from kubevirt_iommufd.inspect_report import NO_RESET_WARNING, build_report, render_table
+from sim.host import CLASS_3D, NVIDIA, BuildHost, FunctionSpec, HostSpec
+from sim.kernel import KernelSimulator, hold
 
 GPU = "0000:18:00.0"
 OLD = "0000:19:00.0"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bind_race import held_elsewhere
-from hostdev.binding_lock import (
+from hostdev.binding.lock import (
     LOCK_PATH,
     BindingLockBusy,
     BindingLockError,
@@ -68,7 +68,7 @@ def test_a_waiter_names_the_other_process_and_gets_the_lock_when_it_lets_go(
         assert 0.2 < lock.waited < 10  # the other holds it for 0.5 s
     assert len(seen) == 1 and seen[0] is not None
     assert (seen[0].pid, seen[0].doing) == (other.pid, "unbind 0000:3b:00.0")
-    assert "hostdev.binding_lock" in seen[0].command or seen[0].command.startswith("-c")
+    assert "hostdev.binding.lock" in seen[0].command or seen[0].command.startswith("-c")
 
 
 def test_the_wait_is_bounded(tmp_path: Path) -> None:

@@ -22,14 +22,14 @@ from hypothesis import strategies as st
 
 from hostdev import config as plugin_config
 from hostdev.model import HostInventory
-from hostdev.reservations import (
+from hostdev.scan import scan_host
+from kubevirt_iommufd.reservations import (
     ReservationError,
     load_reservations,
     parse_reservations,
     resolve_reservations,
 )
-from hostdev.scan import scan_host
-from hostdev.simhost import build_tree, hgx_h100
+from sim.host import build_tree, hgx_h100
 from webhook import config as webhook_config
 
 FUZZ = settings(

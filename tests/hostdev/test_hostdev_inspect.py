@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from hostdev.simhost import BuildHost, HostSpec
 from kubevirt_iommufd.cli import main
+from sim.host import BuildHost, HostSpec
 
 ScenarioRoot = Callable[[str], Path]
 DOC = Path(__file__).resolve().parents[2] / "docs/inspect-json.md"

@@ -10,16 +10,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hostdev.config import DeviceMode, default_config
-from hostdev.model import HostCapabilities
-from hostdev.node_labels import (
+from hostdev.labels.node_labels import (
     build_node_labels,
     count_iommufd_devices,
     kernel_version,
     resource_count_label,
 )
+from hostdev.model import HostCapabilities
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
-from hostdev.simhost import SCENARIOS, BuildHost, unbind_driver
+from sim.host import SCENARIOS, BuildHost, unbind_driver
 
 # Kubernetes' own rules (apimachinery IsQualifiedName, IsValidLabelValue), written out here
 # rather than taken from the module under test.

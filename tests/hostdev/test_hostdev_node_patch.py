@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from hostdev.node_labels import build_label_patch
-from hostdev.node_patch import NodeLabeler
-from kubevirt_iommufd.apiserver_standin import ApiServerStandIn, running_apiserver
+from hostdev.labels.node_labels import build_label_patch
+from hostdev.labels.node_patch import NodeLabeler
+from sim.apiserver import ApiServerStandIn, running_apiserver
 
 NODE = "gpu-node-1"
 THEIRS = {

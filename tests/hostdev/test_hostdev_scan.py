@@ -12,7 +12,7 @@ from hostdev.bdf import Bdf
 from hostdev.errors import HostReadError, RootNotFound
 from hostdev.model import GroupMember
 from hostdev.scan import read_function, refresh_host, scan_host
-from hostdev.simhost import (
+from sim.host import (
     CLASS_3D,
     NVIDIA,
     BuildHost,

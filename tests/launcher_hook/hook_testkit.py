@@ -17,7 +17,6 @@ import libvirt
 from lxml import etree
 
 from fetch_libvirt_schemas import ensure_schemas
-from hostdev.simhost import HostSpec, build_tree, hgx_h100, sriov_nic
 from launcher_hook.capabilities import read_capabilities
 from launcher_hook.domain import pci_sources
 from launcher_hook.hooks.info import api_pb2 as info_pb2
@@ -29,6 +28,7 @@ from launcher_hook.hooks.v1alpha2 import api_pb2_grpc as v1alpha2_grpc
 from launcher_hook.hooks.v1alpha3 import api_pb2 as v1alpha3_pb2
 from launcher_hook.hooks.v1alpha3 import api_pb2_grpc as v1alpha3_grpc
 from launcher_hook.model import Capabilities, LibvirtVersion, Sourced
+from sim.host import HostSpec, build_tree, hgx_h100, sriov_nic
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,6 @@ import pytest
 
 from hook_testkit import GPU1, GPU2, build_cdevs, build_missing_cdev_node, gpu_node
 from hostdev.bdf import Bdf
-from hostdev.simhost import SCENARIOS, build_tree
 from launcher_hook.capabilities import (
     LibvirtVersionSource,
     read_capabilities,
@@ -28,6 +27,7 @@ from launcher_hook.model import (
     Sourced,
     Vmi,
 )
+from sim.host import SCENARIOS, build_tree
 
 NVIDIA_DRIVER_GPU = Bdf.parse("0000:17:00.0")
 

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from hostdev.binding_lock import LOCK_PATH
+from hostdev.binding.lock import LOCK_PATH
 from manifests_kit import (
     LATEST_K8S,
     MANIFESTS,
@@ -129,7 +129,7 @@ def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
     # must see it at the same path.
     assert mounts["handoff"]["mountPath"] == handoff
     # Every writer of driver bindings takes the binding lock in the host's own directory, at the
-    # host's path (hostdev.binding_lock.LOCK_PATH under the root /).
+    # host's path (hostdev.binding.lock.LOCK_PATH under the root /).
     for container in (reserve, spec["containers"][0]):
         (state,) = [m for m in container["volumeMounts"] if m["name"] == "state"]
         assert state == {"name": "state", "mountPath": "/var/lib/kubevirt-iommufd"}
@@ -153,7 +153,7 @@ def test_plugin_daemonset_mounts_only_what_it_needs() -> None:
 
 def test_plugin_and_webhook_configs_load() -> None:
     from hostdev.config import parse_config as parse_plugin_config
-    from hostdev.reservations import parse_reservations
+    from kubevirt_iommufd.reservations import parse_reservations
     from webhook.config import parse_config as parse_webhook_config
 
     for overlay in OVERLAYS:

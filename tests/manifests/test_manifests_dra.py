@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from dra.kubelet_sockets import dra_socket_path, registration_socket_path
-from hostdev.binding_lock import LOCK_PATH
+from hostdev.binding.lock import LOCK_PATH
 from hostdev.config import parse_config
 from kubevirt_iommufd.cli import build_parser
 from manifests_kit import MANIFESTS, NAMESPACE, by_kind, one, read_documents, render
@@ -125,7 +125,7 @@ def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
     assert "/proc" not in mounts
     # The node labels' feature file, where nfd-worker reads it (--feature-file's default).
     from hostdev.config import default_config
-    from hostdev.label_publisher import feature_file_path
+    from hostdev.labels.publisher import feature_file_path
 
     feature_file = feature_file_path(args.feature_file, default_config(), args.root, "dra")
     assert feature_file is not None

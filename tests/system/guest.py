@@ -74,7 +74,7 @@ from launcher import IOMMUFD_RESOURCE, RESOURCE, check_hook, check_launcher_qemu
 
 from deviceplugin.iommu_ioctl import RLIMIT_MODE_PER_PROCESS, read_rlimit_mode
 from hostdev.bdf import is_bdf
-from kubevirt_iommufd.kubelet_standin import KubeletStandIn
+from sim.kubelet import KubeletStandIn
 
 # Printed first thing: run.py retries a boot that ends before the guest said this.
 STARTED_MARKER = "SYSTEM-TEST-GUEST-STARTED"

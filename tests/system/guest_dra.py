@@ -45,13 +45,13 @@ from guestkit import CLI, PCI, CheckFailed, Edu, Runner, receive_fd, require, sa
 from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from dra.devices import device_name
 from hostdev.bdf import Bdf
-from kubevirt_iommufd.apiserver_standin import (
+from sim.apiserver import (
     AllocatedDevice,
     ApiServerStandIn,
     build_resource_claim,
     running_apiserver,
 )
-from kubevirt_iommufd.dra_kubelet_standin import Claim, DRAKubeletStandIn
+from sim.dra_kubelet import Claim, DRAKubeletStandIn
 
 DRIVER = "vfio.kubevirt-iommufd.io"
 NODE = "system-test-node"

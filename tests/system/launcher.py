@@ -35,7 +35,7 @@ from typing import Any
 from guestkit import CLI, CheckFailed, Edu, Runner, receive_fd, require, say
 from lxml import etree
 
-from kubevirt_iommufd.kubelet_standin import KubeletStandIn
+from sim.kubelet import KubeletStandIn
 
 IOMMUFD_RESOURCE = "devices.kubevirt.io/iommufd"
 RESOURCE = "example.com/edu"

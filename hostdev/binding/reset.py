@@ -13,10 +13,10 @@ from enum import Enum
 from pathlib import Path
 
 from hostdev.bdf import Bdf
-from hostdev.holders import find_holders, read_device_nodes
+from hostdev.binding.holders import find_holders, read_device_nodes
+from hostdev.binding.sysfs_write import SysfsWriter
 from hostdev.model import IommuGroup, PciFunction
 from hostdev.scan import read_reset_methods
-from hostdev.sysfs_write import SysfsWriter
 
 
 class ResetStatus(Enum):

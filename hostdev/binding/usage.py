@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hostdev.bdf import Bdf
-from hostdev.holders import Holder, find_holders, nvidia_proc_dir, read_device_nodes
+from hostdev.binding.holders import Holder, find_holders, nvidia_proc_dir, read_device_nodes
 from hostdev.model import HostInventory, PciFunction, is_vfio_driver
 
 PCI_CLASS_STORAGE = 0x01

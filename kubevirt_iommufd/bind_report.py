@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hostdev.bind import Outcome, Restored, Status
-from hostdev.bind_plan import Move
+from hostdev.binding.bind import Outcome, Restored, Status
+from hostdev.binding.plan import Move
 
 SCHEMA = "kubevirt-iommufd/bind/v1"
 Document = dict[str, Any]

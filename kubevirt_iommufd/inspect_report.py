@@ -28,7 +28,7 @@ def build_report(
     claims: Mapping[Bdf, str] | None = None,
 ) -> Document:
     """The report for every function, or for the groups of the functions in `only`; with the
-    node labels (`hostdev.node_labels`) the node would get when `labels` is given, and, when
+    node labels (`hostdev.labels.node_labels`) the node would get when `labels` is given, and, when
     `claims` is given (the DRA driver's state was read), the claim each function is prepared
     for."""
     wanted = set(only)

@@ -18,16 +18,16 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from hostdev.bdf import Bdf
-from hostdev.driver_match import (
+from hostdev.binding.driver_match import (
     VfioAlias,
     choose_vfio_driver,
     driver_names,
     module_name,
     same_driver,
 )
-from hostdev.holders import Holder
+from hostdev.binding.holders import Holder
+from hostdev.binding.usage import FunctionUsage
 from hostdev.model import HostInventory, PciFunction, is_group_safe_driver, is_vfio_driver
-from hostdev.usage import FunctionUsage
 
 AUTO = "auto"
 

@@ -1,5 +1,5 @@
-"""Carrying out a bind or unbind plan: under the node's binding lock (hostdev.binding_lock), read
-the host, plan (hostdev.bind_plan), load modules, write sysfs through a `SysfsWriter`, check each
+"""Carrying out a bind or unbind plan: under the node's binding lock (hostdev.binding.lock), read
+the host, plan (hostdev.binding.plan), load modules, write sysfs through a `SysfsWriter`, check each
 step took, and on any failure put every function touched back on its previous driver and
 override.
 
@@ -20,7 +20,10 @@ from enum import Enum
 from pathlib import Path
 
 from hostdev.bdf import Bdf
-from hostdev.bind_plan import (
+from hostdev.binding.driver_match import find_driver_dir, read_vfio_aliases, same_driver
+from hostdev.binding.holders import Holder
+from hostdev.binding.lock import BindingLock, BindingLockBusy, LockHolder, hold_binding_lock
+from hostdev.binding.plan import (
     BindPlan,
     BindRequest,
     Move,
@@ -34,13 +37,10 @@ from hostdev.bind_plan import (
     plan_writes,
     with_registered_names,
 )
-from hostdev.binding_lock import BindingLock, BindingLockBusy, LockHolder, hold_binding_lock
-from hostdev.driver_match import find_driver_dir, read_vfio_aliases, same_driver
-from hostdev.holders import Holder
+from hostdev.binding.sysfs_write import KernelSysfs, SysfsWriter
+from hostdev.binding.usage import read_override, read_usage
 from hostdev.model import HostInventory
 from hostdev.scan import scan_host
-from hostdev.sysfs_write import KernelSysfs, SysfsWriter
-from hostdev.usage import read_override, read_usage
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
 _POLL_SECONDS = 1.0
@@ -118,7 +118,7 @@ def bind_devices(
 ) -> Outcome:
     """Move the requested functions, their groups and companions to VFIO drivers.
 
-    Holds the node's binding lock (hostdev.binding_lock) from reading the host to checking the
+    Holds the node's binding lock (hostdev.binding.lock) from reading the host to checking the
     last write; `lock` is one the caller already holds (and keeps holding while busy devices
     are waited for), otherwise it is taken here, within the same `wait_seconds` as busy devices,
     and released between polls. A dry run changes nothing and takes no lock.

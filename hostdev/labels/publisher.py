@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hostdev.config import PluginConfig
-from hostdev.feature_file import FeatureFile
+from hostdev.labels.feature_file import FeatureFile
 
 if TYPE_CHECKING:
-    from hostdev.node_patch import NodeLabeler
+    from hostdev.labels.node_patch import NodeLabeler
 
 
 class LabelPublisher:

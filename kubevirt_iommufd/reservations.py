@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hostdev.bdf import Bdf
-from hostdev.bind_plan import AUTO, BindRequest
+from hostdev.binding.plan import AUTO, BindRequest
 from hostdev.documents import DocumentError, read_document
 from hostdev.errors import HostdevError, InvalidBdf
 from hostdev.model import HostInventory

@@ -51,7 +51,7 @@ from dra.v1 import api_pb2 as v1_pb2
 from dra.v1 import api_pb2_grpc as v1_grpc
 from dra.v1beta1 import api_pb2 as v1beta1_pb2
 from dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
-from kubevirt_iommufd.dra_kubelet_records import (
+from sim.dra_kubelet_records import (
     Claim,
     Deregistration,
     Identity,

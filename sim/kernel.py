@@ -1,6 +1,6 @@
 """A fixture tree that behaves like the kernel when written: a `SysfsWriter` (and a modprobe
 runner) reacting to `driver_override`, `unbind`, `bind`, `drivers_probe`, `reset` and the NVIDIA
-`unbindLock` by moving the tree's symlinks as Linux would (hostdev.simhost.bind_driver /
+`unbindLock` by moving the tree's symlinks as Linux would (sim.host.bind_driver /
 unbind_driver), with the kernel's errnos for what it would refuse, and failures to inject."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hostdev.model import is_vfio_driver
-from hostdev.simhost import bind_driver, unbind_driver
+from sim.host import bind_driver, unbind_driver
 
 Condition = Callable[[str, str], bool]
 """(path relative to the root, text) -> whether this write fails."""

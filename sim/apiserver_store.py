@@ -3,7 +3,7 @@ etcd's revision), uid and creationTimestamp on create, optimistic concurrency on
 update that writes nothing, deleted objects returned, and a bounded event history that watches
 read from (older versions answer 410 Expired, as after a compaction).
 
-Thread-safe; no IO. The HTTP side (`apiserver_standin`) maps requests onto it and `ApiError`s
+Thread-safe; no IO. The HTTP side (`sim.apiserver`) maps requests onto it and `ApiError`s
 onto responses.
 """
 
@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kubevirt_iommufd.apiserver_rules import (
+from sim.apiserver_rules import (
     RESOURCE_CLAIMS,
     STALE,
     FieldError,

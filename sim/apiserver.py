@@ -38,13 +38,13 @@ from typing import Any
 import kubernetes.client
 import yaml
 
-from kubevirt_iommufd.apiserver_http import (
+from sim.apiserver_http import (
     ApiHttpServer,
     Failure,
     LoggedRequest,
     build_server_context,
 )
-from kubevirt_iommufd.apiserver_rules import (
+from sim.apiserver_rules import (
     KINDS,
     RESOURCE_CLAIMS,
     RESOURCE_SLICES,
@@ -56,8 +56,8 @@ from kubevirt_iommufd.apiserver_rules import (
     validate_metadata,
     validate_resource_slice,
 )
-from kubevirt_iommufd.apiserver_store import ApiError, Checks, Selection, Store
-from kubevirt_iommufd.certs import build_serving_certificate
+from sim.apiserver_store import ApiError, Checks, Selection, Store
+from webhook.certs import build_serving_certificate
 
 Validator = Callable[[Object], list[FieldError]]
 """Checks an object a client sent (kind and apiVersion filled in); errors make it a 422."""

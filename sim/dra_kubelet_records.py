@@ -1,4 +1,4 @@
-"""Plain data and decisions of the DRA kubelet stand-in (dra_kubelet_standin): what it records,
+"""Plain data and decisions of the DRA kubelet stand-in (`sim.dra_kubelet`): what it records,
 what its calls answer (values, so tests can compare v1 and v1beta1 answers), which service the
 kubelet speaks, and `scan_registry`, its one directory read: which sockets the kubelet counts."""
 

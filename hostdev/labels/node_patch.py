@@ -2,9 +2,9 @@
 the official `kubernetes` client (RBAC: `nodes` `get` and `patch`).
 
 Each change is a JSON merge patch of `metadata.labels` naming only keys under
-`kubevirt-iommufd.io/` (`hostdev.node_labels.build_label_patch`): ours are set or removed, every
-other label is never in the request. The API may be slow or away, so a thread of its own does
-the calls and retries with backoff; the component's own work never waits for it.
+`kubevirt-iommufd.io/` (`hostdev.labels.node_labels.build_label_patch`): ours are set or
+removed, every other label is never in the request. The API may be slow or away, so a thread of
+its own does the calls and retries with backoff; the component's own work never waits for it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from hostdev.node_labels import build_label_patch
+from hostdev.labels.node_labels import build_label_patch
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from kubevirt_iommufd.apiserver_rules import (
+from sim.apiserver_rules import (
     KINDS,
     STALE,
     Kind,
@@ -31,7 +31,7 @@ from kubevirt_iommufd.apiserver_rules import (
     parse_label_selector,
     status_conflict,
 )
-from kubevirt_iommufd.apiserver_store import ApiError, Checks, Event, Selection, Store
+from sim.apiserver_store import ApiError, Checks, Event, Selection, Store
 
 NO_RESOURCE = "the server could not find the requested resource"
 MERGE_PATCH = "application/merge-patch+json"
