@@ -8,11 +8,16 @@ import os
 import tempfile
 from pathlib import Path
 
+from hostdev.directories import make_directories
 
-def write_file_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
+
+def write_file_atomically(
+    path: Path, data: bytes, mode: int = 0o644, directory_mode: int = 0o755
+) -> None:
     """Write `data` to a temporary file beside `path`, flush it to disk, rename it over `path`
-    and flush the directory, so `path` holds either the old or the new content, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    and flush the directory, so `path` holds either the old or the new content, never a part.
+    Missing directories are made with `directory_mode`, whatever the umask."""
+    make_directories(path.parent, directory_mode)
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
