@@ -44,8 +44,8 @@ from hostdev.naming import pci_resource_env
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
 from kubevirt_iommufd.demo_checks import Checks
-from kubevirt_iommufd.demo_command import SCENARIOS, Scenario
 from kubevirt_iommufd.demo_dra import run_dra
+from kubevirt_iommufd.demo_scenarios import SCENARIOS, Scenario
 from kubevirt_iommufd.inspect_report import build_report, render_table
 from launcher_hook.capabilities import LibvirtVersionSource
 from launcher_hook.domain import DECISION_NS

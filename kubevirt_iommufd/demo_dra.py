@@ -24,7 +24,7 @@ from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
 from kubevirt_iommufd.demo_checks import Checks
-from kubevirt_iommufd.demo_command import Scenario
+from kubevirt_iommufd.demo_scenarios import Scenario
 from sim.apiserver import (
     AllocatedDevice,
     ApiServerStandIn,

@@ -37,7 +37,7 @@ from deviceplugin.iommufd_handoff import (
     IommuDeviceMissing,
     IommufdHandoff,
 )
-from handoff_client import fds_open_on, open_fd_count, receive_iommufd, wait_until
+from dp_handoff_kit import fds_open_on, open_fd_count, receive_iommufd, wait_until
 
 
 class RecordingSetter:
@@ -311,15 +311,6 @@ def test_owner_and_mode_are_configurable(make_handoff: MakeHandoff) -> None:
     path = make_handoff(owner_uid=1234, owner_gid=5678, mode=0o600).prepare("custom").host_path
     info = path.lstat()
     assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (0o600, 1234, 5678)
-
-
-@pytest.fixture
-def open_umask() -> Iterator[None]:
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
 
 
 def test_under_umask_000_the_socket_is_never_seen_with_a_wider_mode(

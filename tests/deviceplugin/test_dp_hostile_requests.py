@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,28 +17,13 @@ import grpc
 import pytest
 
 from deviceplugin.v1beta1 import api_pb2
+from dp_kit import H100, IOMMUFD, Plugin
 from hostdev.config import PluginConfig, default_config
-from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
-from sim.host import BuildHost
 
 MEGABYTE_ID = "0000:18:00.0" + "x" * 1_000_000
 FORGED_ID = "0000:01:00.0\n2026-01-01 INFO deviceplugin.servicer allocated resource=forged"
 # Longest line any of our records may make out of a request, whatever it held.
 LOG_LINE_LIMIT = 1_000
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    with short_directory("kh-") as path:
-        yield path
-
-
-@pytest.fixture
-def start_plugin(
-    build_host: BuildHost, short_dir: Path, tmp_path: Path
-) -> Iterator[Callable[..., Plugin]]:
-    with plugin_starter(build_host, short_dir, tmp_path) as start:
-        yield start
 
 
 def _slots(count: int) -> PluginConfig:

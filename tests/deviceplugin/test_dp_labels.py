@@ -3,48 +3,24 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from dp_kit import GPUS, H100, Plugin
 from hostdev.config import DeviceMode, NodeLabelsConfig, default_config
 from hostdev.labels.feature_file import FeatureFile
 from hostdev.labels.node_patch import NodeLabeler
 from hostdev.labels.publisher import LabelPublisher, feature_file_path
 from kubevirt_iommufd.cli import main
-from plugin_harness import H100, Plugin, plugin_starter, short_directory
 from sim.apiserver import running_apiserver
-from sim.host import BuildHost, unbind_driver
+from sim.host import unbind_driver
 
-GPUS = [
-    "0000:18:00.0",
-    "0000:2a:00.0",
-    "0000:3a:00.0",
-    "0000:5d:00.0",
-    "0000:9a:00.0",
-    "0000:ab:00.0",
-    "0000:ba:00.0",
-    "0000:db:00.0",
-]
 COUNT = "kubevirt-iommufd.io/iommufd-devices.nvidia.com_GH100H100_SXM5_80GB"
 # Well under the 30 s periodic re-scan: a change seen this fast came from the watch.
 EVENT_LATENCY = 5.0
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    with short_directory("kl-") as path:
-        yield path
-
-
-@pytest.fixture
-def start_plugin(
-    build_host: BuildHost, short_dir: Path, tmp_path: Path
-) -> Iterator[Callable[..., Plugin]]:
-    with plugin_starter(build_host, short_dir, tmp_path) as start:
-        yield start
 
 
 def read_labels(path: Path) -> dict[str, str] | None:

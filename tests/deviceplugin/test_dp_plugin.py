@@ -6,13 +6,14 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 
+from dp_kit import GPUS, H100, IOMMUFD, Plugin
 from hostdev.config import (
     DeviceMode,
     PluginConfig,
@@ -20,33 +21,7 @@ from hostdev.config import (
     Selectors,
     default_config,
 )
-from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
-from sim.host import BuildHost, bind_driver, unbind_driver
-
-GPUS = [
-    "0000:18:00.0",
-    "0000:2a:00.0",
-    "0000:3a:00.0",
-    "0000:5d:00.0",
-    "0000:9a:00.0",
-    "0000:ab:00.0",
-    "0000:ba:00.0",
-    "0000:db:00.0",
-]
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    with short_directory("kp-") as path:
-        yield path
-
-
-@pytest.fixture
-def start_plugin(
-    build_host: BuildHost, short_dir: Path, tmp_path: Path
-) -> Iterator[Callable[..., Plugin]]:
-    with plugin_starter(build_host, short_dir, tmp_path) as start:
-        yield start
+from sim.host import bind_driver, unbind_driver
 
 
 def test_registers_both_resources_with_topology(start_plugin: Callable[..., Plugin]) -> None:

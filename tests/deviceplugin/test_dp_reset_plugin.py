@@ -7,7 +7,6 @@ import errno
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,9 +21,9 @@ from deviceplugin.metrics import PluginMetrics
 from hostdev.binding.lock import LockHolder, hold_binding_lock, read_lock_holder
 from hostdev.config import PluginConfig, parse_config
 from hostdev.pciids import PciIds
-from podresources_standin import PodResourcesStandIn
 from sim.host import BuildHost, hgx_h100
 from sim.kubelet import KubeletStandIn
+from sim.podresources import PodResourcesStandIn
 
 H100 = "nvidia.com/H100"
 GPU = "0000:18:00.0"
@@ -87,13 +86,6 @@ class Node:
         registration = self.kubelet.latest(H100)
         assert registration is not None
         return any(t >= after and s.get(bdf) == health for t, s in registration.snapshots)
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kr-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -4,9 +4,8 @@ the kubelet answers to a Register is quoted before it reaches a log line."""
 
 from __future__ import annotations
 
-import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -15,31 +14,7 @@ import pytest
 
 from deviceplugin.registration import RegistrationError, register_with_kubelet
 from deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from plugin_harness import H100, IOMMUFD, Plugin, plugin_starter, short_directory
-from sim.host import BuildHost
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    with short_directory("km-") as path:
-        yield path
-
-
-@pytest.fixture
-def start_plugin(
-    build_host: BuildHost, short_dir: Path, tmp_path: Path
-) -> Iterator[Callable[..., Plugin]]:
-    with plugin_starter(build_host, short_dir, tmp_path) as start:
-        yield start
-
-
-@pytest.fixture
-def open_umask() -> Iterator[None]:
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
+from dp_kit import H100, IOMMUFD, Plugin
 
 
 def _plugin_socket_modes(directory: Path) -> dict[str, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hook_testkit import GPU1, GPU2, build_cdevs, build_missing_cdev_node, gpu_node
+from hook_kit import GPU1, GPU2, build_cdevs, build_missing_cdev_node, gpu_node
 from hostdev.bdf import Bdf
 from launcher_hook.capabilities import (
     LibvirtVersionSource,

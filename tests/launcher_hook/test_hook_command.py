@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hook_testkit import REPO, build_cdevs, build_missing_cdev_node, hook_argv, read_data, vmi_json
+from hook_kit import REPO, build_cdevs, build_missing_cdev_node, hook_argv, read_data, vmi_json
 from launcher_hook import command
 
 

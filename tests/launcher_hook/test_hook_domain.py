@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
-from hook_testkit import (
+from hook_kit import (
     GPU1,
     GPU2,
     LIBVIRT,

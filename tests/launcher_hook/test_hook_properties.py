@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lxml import etree
 
-from hook_testkit import canonical, load_domain_schema, read_data, schema_errors
+from hook_kit import canonical, load_domain_schema, read_data, schema_errors
 from hostdev.bdf import Bdf
 from launcher_hook.domain import DECISION_NS, rewrite_domain, undo_rewrite
 from launcher_hook.errors import HookError, IommufdRequired

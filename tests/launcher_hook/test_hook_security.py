@@ -18,7 +18,7 @@ from xml.sax import saxutils
 
 import pytest
 
-from hook_testkit import read_data
+from hook_kit import read_data
 from launcher_hook.capabilities import LibvirtVersionSource
 from launcher_hook.domain import rewrite_domain
 from launcher_hook.errors import HookError, InvalidInput, IommufdRequired

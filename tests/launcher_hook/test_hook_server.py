@@ -11,7 +11,7 @@ import grpc
 import pytest
 from lxml import etree
 
-from hook_testkit import (
+from hook_kit import (
     VERSIONS,
     HookClient,
     build_cdevs,

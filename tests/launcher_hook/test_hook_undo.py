@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
-from hook_testkit import LIBVIRT, NODES, canonical, capabilities, read_data, vmi_json
+from hook_kit import LIBVIRT, NODES, canonical, capabilities, read_data, vmi_json
 from launcher_hook.domain import DECISION_NS, rewrite_domain, undo_rewrite
 from launcher_hook.model import Policy
 

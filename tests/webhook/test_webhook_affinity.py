@@ -12,7 +12,7 @@ from launcher_hook.model import ANNOTATION_MODE
 from webhook.affinity import MODE_ANNOTATION
 from webhook.config import Config, HookSidecar
 from webhook.review import review_vmi
-from webhook_testkit import admission_review, apply_patch, decode_patch, load
+from webhook_kit import admission_review, apply_patch, decode_patch, load
 
 Json = dict[str, Any]
 LABEL = "kubevirt-iommufd.io/iommufd"

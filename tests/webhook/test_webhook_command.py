@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from webhook import command
-from webhook_testkit import Tls, admission_review, decode_patch, load, make_tls, post
+from webhook_kit import Tls, admission_review, decode_patch, load, make_tls, post
 
 ROOT = Path(__file__).resolve().parents[2]
 # The subcommand registered on a parser of its own, exactly as kubevirt_iommufd.cli does it.

@@ -16,7 +16,7 @@ import pytest
 from webhook.config import Config
 from webhook.connections import Limits
 from webhook.http_protocol import MAX_BODY
-from webhook_testkit import (
+from webhook_kit import (
     RunningServer,
     Tls,
     admission_review,

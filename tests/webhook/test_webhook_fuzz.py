@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from webhook.config import Config, HookSidecar
 from webhook.review import BadReview, Verdict, review_pod, review_vmi
-from webhook_testkit import (
+from webhook_kit import (
     IOMMUFD,
     Json,
     RunningServer,

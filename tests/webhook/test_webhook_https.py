@@ -16,7 +16,7 @@ from webhook.config import Config, HookSidecar
 from webhook.http_protocol import MAX_BODY, Request
 from webhook.metrics import Metrics
 from webhook.routes import build_health_handler
-from webhook_testkit import (
+from webhook_kit import (
     IOMMUFD,
     RunningServer,
     Tls,

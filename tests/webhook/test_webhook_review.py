@@ -13,7 +13,7 @@ import pytest
 from webhook.config import Config, HookSidecar
 from webhook.plan import pointer
 from webhook.review import BadReview, review_pod, review_vmi
-from webhook_testkit import (
+from webhook_kit import (
     IOMMUFD,
     Json,
     admission_review,

@@ -15,7 +15,7 @@ import trustme
 import webhook.tls
 from webhook.config import Config
 from webhook.tls import CertificateReloader
-from webhook_testkit import (
+from webhook_kit import (
     RunningServer,
     Tls,
     admission_review,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bind_race import held_elsewhere
+from binding_kit import held_elsewhere
 from hostdev.binding.lock import (
     LOCK_PATH,
     BindingLockBusy,

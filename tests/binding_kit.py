@@ -5,6 +5,9 @@ Each worker process runs the real CLI (`run_bind`/`run_unbind`, `--json`) agains
 simulator, with a short random pause before every sysfs write so that two runs' reads and writes
 interleave the way two processes' do on a busy node. Every write is also appended to a log shared
 by the workers, which tells the test whose write came last.
+
+Both tests/cli and tests/hostdev/binding use it, so it sits in tests/ itself, on pytest's
+pythonpath.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import multiprocessing
 from pathlib import Path
 from typing import Any
 
-from bind_race import race_worker
+from binding_kit import race_worker
 from sim.host import BuildHost, FunctionSpec, HostSpec
 from sim.kernel import KernelSimulator
 

@@ -1,15 +1,18 @@
-"""The whole device plugin (manager, servers, hand-off) on a simulated node against the kubelet
-stand-in, for tests that talk to it over real gRPC."""
+"""The device plugin tests' kit: the whole plugin (manager, servers, hand-off) on a simulated node
+against the kubelet stand-in, for tests that talk to it over real gRPC, and the fixtures those
+tests share (conftest.py re-exports them)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from deviceplugin.manager import PluginManager
@@ -22,6 +25,17 @@ from sim.kubelet import KubeletStandIn
 
 H100 = "nvidia.com/GH100H100_SXM5_80GB"
 IOMMUFD = "devices.kubevirt.io/iommufd"
+GPUS = [
+    "0000:18:00.0",
+    "0000:2a:00.0",
+    "0000:3a:00.0",
+    "0000:5d:00.0",
+    "0000:9a:00.0",
+    "0000:ab:00.0",
+    "0000:ba:00.0",
+    "0000:db:00.0",
+]
+"""The H100s of the hgx-h100 scenario, in address order (the first four on NUMA node 0)."""
 
 
 @dataclass
@@ -39,21 +53,27 @@ class Plugin:
         self.handoff.close()
 
 
-@contextmanager
-def short_directory(prefix: str) -> Iterator[Path]:
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
     # Unix socket paths hold at most 107 bytes; pytest's tmp_path can be longer.
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    path = Path(tempfile.mkdtemp(prefix="kdp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
-@contextmanager
-def plugin_starter(
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """umask 000 for the test: a file's mode is then what the code chose, not what a umask left."""
+    previous = os.umask(0)
+    yield
+    os.umask(previous)
+
+
+@pytest.fixture
+def start_plugin(
     build_host: BuildHost, short_dir: Path, tmp_path: Path
 ) -> Iterator[Callable[..., Plugin]]:
-    """A function that starts plugins; each is stopped, with its kubelet, on leaving."""
+    """A function that starts plugins; each is stopped, with its kubelet, at teardown."""
     started: list[Plugin] = []
     names = tmp_path / "pci.ids"
     names.write_text("10de  NVIDIA Corporation\n\t2330  GH100[H100 SXM5 80GB]\n")
@@ -98,9 +118,7 @@ def plugin_starter(
         started.append(plugin)
         return plugin
 
-    try:
-        yield start
-    finally:
-        for plugin in started:
-            plugin.stop()
-            plugin.kubelet.stop()
+    yield start
+    for plugin in started:
+        plugin.stop()
+        plugin.kubelet.stop()

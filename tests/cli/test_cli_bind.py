@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bind_race import held_elsewhere
+from binding_kit import held_elsewhere
 from hostdev.binding.lock import LOCK_PATH, hold_binding_lock
 from kubevirt_iommufd import bind_command
 from sim.host import (

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kubevirt_iommufd import demo_command
+from kubevirt_iommufd import demo_scenarios
 from kubevirt_iommufd.cli import main
 from sim.host import legacy_only
 
@@ -108,8 +108,8 @@ def test_a_failed_check_fails_the_demo(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The hook is told to expect iommufd where the node can only do legacy VFIO.
-    wrong = demo_command.Scenario("mislabelled", legacy_only, "12.9.0", "iommufd")
-    monkeypatch.setitem(demo_command.SCENARIOS, "legacy-node", wrong)
+    wrong = demo_scenarios.Scenario("mislabelled", legacy_only, "12.9.0", "iommufd")
+    monkeypatch.setitem(demo_scenarios.SCENARIOS, "legacy-node", wrong)
     code, out = run_demo(capsys, "legacy-node")
     assert code == 1
     assert "FAIL both GPUs on iommufd" in out
@@ -121,8 +121,8 @@ def test_a_failed_dra_check_fails_the_demo(
 ) -> None:
     # A claim on a node without iommufd gets legacy VFIO nodes only, not the cdev the
     # mislabelled scenario expects.
-    wrong = demo_command.Scenario("mislabelled", legacy_only, "12.9.0", "iommufd", flow="dra")
-    monkeypatch.setitem(demo_command.SCENARIOS, "dra", wrong)
+    wrong = demo_scenarios.Scenario("mislabelled", legacy_only, "12.9.0", "iommufd", flow="dra")
+    monkeypatch.setitem(demo_scenarios.SCENARIOS, "dra", wrong)
     code, out = run_demo(capsys, "dra")
     assert code == 1
     assert "FAIL device nodes for iommufd: (no cdev) /dev/iommu /dev/vfio/vfio" in out
