@@ -1,95 +1,114 @@
-"""The few API calls the driver makes, through the official `kubernetes` client, with answers as
-plain JSON objects and failures as errors that say what to do.
+"""The few API calls the driver makes, with answers as plain JSON objects and failures as errors
+that say what to do.
 
-Responses are read raw (`_preload_content=False`) and decoded with `json`: the driver works on
-the objects' JSON shape, which the API defines, rather than the client's generated classes.
+Requests are built and authenticated by the official `kubernetes` client and sent through its
+connection pool; `api_http` reads the answers, each call under an overall deadline and a cap on
+its size. The driver works on the objects' JSON shape, which the API defines, rather than the
+client's generated classes.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Iterator
-from typing import Any
+from urllib.parse import quote
 
-import urllib3
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-from kubernetes.watch.watch import iter_resp_lines
 
-log = logging.getLogger(__name__)
-Object = dict[str, Any]
-REQUEST_TIMEOUT = (5.0, 15.0)
-"""Connect and read timeouts of one call: well inside the kubelet's 45 s for NodePrepare."""
+from dra.api_http import (
+    ApiError,
+    MiB,
+    Object,
+    call,
+    install_deadlines,
+    parse_event,
+    query_of,
+    stream_lines,
+)
 
-
-class ApiError(Exception):
-    """A call failed; `status` is the HTTP status, or None when the server was not reached."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-    @property
-    def conflict(self) -> bool:
-        return self.status == 409
-
-    @property
-    def not_found(self) -> bool:
-        return self.status == 404
+__all__ = ["ApiError", "ResourceApi"]
+CALL_SECONDS = 10.0
+"""Each call's whole time, from connecting to the last byte. The kubelet gives a DRA driver 45 s
+for all of a NodePrepareResources call (`defaultClientCallTimeout`, kubernetes
+pkg/kubelet/cm/dra/plugin/dra_plugin.go), which may GET more than one claim and then bind."""
+WATCH_GRACE_SECONDS = 30.0
+"""A watch asks the server to end it after `timeout_seconds`; one still open this much later is
+cut. There is no idle rule: a watch only wakes the publisher early, the resync every minute does
+not depend on it, so a silent watch costs nothing but one thread's wait."""
+MAX_OBJECT_BYTES = 4 * MiB
+"""An object or a watch event. The API server refuses request bodies over 3 MiB
+(`MaxRequestBodyBytes`, k8s.io/apiserver/pkg/server/config.go) and etcd stores at most 1.5 MiB
+per object by default; a claim holds at most 32 allocation results (`AllocationResultsMaxSize`,
+k8s.io/api/resource/v1). 4 MiB leaves room for what the server adds (managedFields) while a
+hostile answer costs at most a few tens of MB once decoded."""
+MAX_LIST_BYTES = 16 * MiB
+"""A list of this node's slices: a few objects, each under MAX_OBJECT_BYTES."""
+RESOURCE = "/apis/resource.k8s.io/v1"
 
 
 class ResourceApi:
     """Nodes, ResourceClaims and ResourceSlices, as the driver needs them."""
 
-    def __init__(self, api_client: client.ApiClient) -> None:
-        self._core = client.CoreV1Api(api_client)
-        self._resource = client.ResourceV1Api(api_client)
+    def __init__(self, api_client: client.ApiClient, *, call_seconds: float = CALL_SECONDS) -> None:
+        install_deadlines(api_client)
+        self._client = api_client
+        self._seconds = call_seconds
 
     def read_node_uid(self, name: str) -> str:
-        node = self._call(f"get node {name}", self._core.read_node, name)
-        return str(node["metadata"]["uid"])
+        what = f"get node {name}"
+        node = self._call(what, "GET", f"/api/v1/nodes/{quote(name, safe='')}")
+        uid = _metadata(node).get("uid")
+        if not isinstance(uid, str) or not uid:
+            raise ApiError(f"{what}: the answer has no metadata.uid")
+        return uid
 
     def read_claim(self, namespace: str, name: str) -> Object:
         return self._call(
             f"get resourceclaim {namespace}/{name}",
-            self._resource.read_namespaced_resource_claim,
-            name,
-            namespace,
+            "GET",
+            f"{RESOURCE}/namespaces/{quote(namespace, safe='')}/resourceclaims/"
+            f"{quote(name, safe='')}",
         )
 
     def list_slices(self, node: str, driver: str) -> tuple[list[Object], str]:
         """This node's slices of this driver, and the list's resourceVersion to watch from."""
+        what = "list resourceslices"
         listing = self._call(
-            "list resourceslices",
-            self._resource.list_resource_slice,
-            field_selector=f"spec.nodeName={node},spec.driver={driver}",
+            what,
+            "GET",
+            f"{RESOURCE}/resourceslices",
+            query=query_of({"fieldSelector": _slice_selector(node, driver)}),
+            limit=MAX_LIST_BYTES,
         )
-        return list(listing.get("items") or []), str(listing["metadata"].get("resourceVersion", ""))
+        items = listing.get("items") or []
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise ApiError(f"{what}: the answer's items are not a list of objects")
+        return items, str(_metadata(listing).get("resourceVersion") or "")
 
     def create_slice(self, item: Object) -> Object:
         return self._call(
-            f"create resourceslice {item['metadata']['name']}",
-            self._resource.create_resource_slice,
-            item,
+            f"create resourceslice {_name_of(item)}",
+            "POST",
+            f"{RESOURCE}/resourceslices",
+            body=item,
         )
 
     def replace_slice(self, item: Object) -> Object:
-        name = item["metadata"]["name"]
+        name = _name_of(item)
         return self._call(
-            f"update resourceslice {name}", self._resource.replace_resource_slice, name, item
+            f"update resourceslice {name}",
+            "PUT",
+            f"{RESOURCE}/resourceslices/{quote(name, safe='')}",
+            body=item,
         )
 
     def delete_slice(self, name: str, resource_version: str) -> None:
-        options = client.V1DeleteOptions(
-            preconditions=client.V1Preconditions(resource_version=resource_version or None)
-        )
+        preconditions = {"resourceVersion": resource_version} if resource_version else {}
         try:
             self._call(
                 f"delete resourceslice {name}",
-                self._resource.delete_resource_slice,
-                name,
-                body=options,
+                "DELETE",
+                f"{RESOURCE}/resourceslices/{quote(name, safe='')}",
+                body={"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": preconditions},
             )
         except ApiError as error:
             if not error.not_found:
@@ -99,66 +118,58 @@ class ResourceApi:
         self, node: str, driver: str, resource_version: str, timeout_seconds: int
     ) -> Iterator[tuple[str, Object]]:
         """Events on this node's slices of this driver, from `resource_version`, until the
-        server ends the watch (at most `timeout_seconds`)."""
+        server ends the watch (at most `timeout_seconds`, cut WATCH_GRACE_SECONDS later)."""
         what = "watch resourceslices"
-        try:
-            response: Any = self._resource.list_resource_slice(
-                field_selector=f"spec.nodeName={node},spec.driver={driver}",
-                watch=True,
-                resource_version=resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=timeout_seconds,
-                _preload_content=False,
-                _request_timeout=(REQUEST_TIMEOUT[0], timeout_seconds + REQUEST_TIMEOUT[1]),
-            )
-        except ApiException as error:
-            raise _api_error(what, error) from None
-        except urllib3.exceptions.HTTPError as error:
-            raise ApiError(f"{what}: API server unreachable ({error})") from None
-        try:
-            for line in iter_resp_lines(response):
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind, item = str(event.get("type")), event.get("object") or {}
-                if kind == "ERROR":
-                    raise ApiError(f"{what}: {item.get('message', 'error')}", item.get("code"))
-                yield kind, item
-        except urllib3.exceptions.HTTPError as error:
-            raise ApiError(f"{what}: connection lost ({error})") from None
-        except ValueError as error:
-            raise ApiError(f"{what}: an event is not JSON ({error})") from None
-        finally:
-            response.release_conn()
+        query = query_of(
+            {
+                "fieldSelector": _slice_selector(node, driver),
+                "watch": True,
+                "resourceVersion": resource_version,
+                "allowWatchBookmarks": True,
+                "timeoutSeconds": timeout_seconds,
+            }
+        )
+        for line in stream_lines(
+            self._client,
+            what,
+            f"{RESOURCE}/resourceslices",
+            seconds=timeout_seconds + WATCH_GRACE_SECONDS,
+            limit=MAX_OBJECT_BYTES,
+            query=query,
+        ):
+            if line.strip():
+                yield parse_event(what, line)
 
-    @staticmethod
-    def _call(what: str, method: Any, *args: Any, **kwargs: Any) -> Object:
-        try:
-            response = method(
-                *args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs
-            )
-            # Reading the body is network IO too: a reset or a timeout can come here.
-            data: Object = json.loads(response.data or b"{}")
-        except ApiException as error:
-            raise _api_error(what, error) from None
-        except urllib3.exceptions.HTTPError as error:
-            raise ApiError(f"{what}: API server unreachable ({error})") from None
-        except ValueError as error:
-            raise ApiError(f"{what}: the answer is not JSON ({error})") from None
-        return data
+    def _call(
+        self,
+        what: str,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Object | None = None,
+        limit: int = MAX_OBJECT_BYTES,
+    ) -> Object:
+        return call(
+            self._client,
+            what,
+            method,
+            path,
+            seconds=self._seconds,
+            limit=limit,
+            query=query or [],
+            body=body,
+        )
 
 
-def _api_error(what: str, error: ApiException) -> ApiError:
-    status = int(error.status) if error.status else None
-    message = ""
-    try:
-        message = str(json.loads(error.body or "{}").get("message", ""))
-    except (ValueError, AttributeError):
-        message = str(error.reason or "")
-    hint = {
-        401: "the driver's credentials were refused",
-        403: "RBAC denies it: grant the driver's service account this verb (docs/dra.md)",
-        404: "not found",
-        409: "conflict",
-    }.get(status or 0, f"HTTP {status}")
-    return ApiError(f"{what}: {hint}" + (f" ({message})" if message else ""), status)
+def _slice_selector(node: str, driver: str) -> str:
+    return f"spec.nodeName={node},spec.driver={driver}"
+
+
+def _metadata(obj: Object) -> Object:
+    metadata = obj.get("metadata")
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _name_of(item: Object) -> str:
+    return str(_metadata(item).get("name", ""))

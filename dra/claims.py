@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from hostdev.untrusted import quote_untrusted
 
 POD_CLAIM_NAME_ANNOTATION = "resource.kubernetes.io/pod-claim-name"
+API_MAX_RESULTS = 32
+"""`AllocationResultsMaxSize` (k8s.io/api/resource/v1): the API server refuses more results."""
+MAX_RESULTS = 4 * API_MAX_RESULTS
+"""Room for the API to grow its limit; beyond it the answer is refused."""
+MAX_TEXT = 1024
+"""Names in a claim are DNS labels or subdomains (at most 253 characters), requests at most
+`request/subrequest`."""
 
 
 class ClaimError(Exception):
@@ -48,47 +56,123 @@ class ClaimAllocation:
     devices: tuple[Allocated, ...]
 
 
-def read_allocation(
-    claim: Mapping[str, Any], ref: ClaimRef, driver: str, pool: str
-) -> ClaimAllocation:
-    """The devices `driver` must prepare for `ref` from `pool`, checked against the claim."""
-    metadata = claim.get("metadata") or {}
-    if metadata.get("uid") != ref.uid:
+def parse_allocation(claim: object, ref: ClaimRef, driver: str, pool: str) -> ClaimAllocation:
+    """The devices `driver` must prepare for `ref` from `pool`, checked against the claim. Total
+    over any JSON value: whatever the API server sent, a ClaimAllocation or a ClaimError."""
+    document = _object(claim, ref, "the claim")
+    metadata = _object(document.get("metadata"), ref, "metadata", required=True)
+    uid = _text(metadata.get("uid"), ref, "metadata.uid")
+    if uid != ref.uid:
         raise ClaimError(
-            f"{ref}: the API server holds a claim of that name with uid {metadata.get('uid')!r};"
+            f"{ref}: the API server holds a claim of that name with uid {quote_untrusted(uid)};"
             " the claim was deleted and recreated, so the kubelet's request is stale and the"
             " pod must be recreated"
         )
-    allocation = (claim.get("status") or {}).get("allocation")
+    generation = metadata.get("generation", 0)
+    if generation is None:
+        generation = 0
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+        raise _malformed(ref, "metadata.generation", generation, "a non-negative integer")
+    annotations = _object(metadata.get("annotations"), ref, "metadata.annotations")
+    pod_claim_name = annotations.get(POD_CLAIM_NAME_ANNOTATION)
+    if pod_claim_name is not None:
+        pod_claim_name = _text(
+            pod_claim_name, ref, f"metadata.annotations[{POD_CLAIM_NAME_ANNOTATION}]"
+        )
+    status = _object(document.get("status"), ref, "status")
+    allocation = _object(status.get("allocation"), ref, "status.allocation")
     if not allocation:
         raise ClaimError(
             f"{ref}: not allocated yet; the scheduler allocates it before the pod runs"
         )
-    results = ((allocation.get("devices") or {}).get("results")) or []
-    ours = [r for r in results if r.get("driver") == driver]
+    devices = _object(allocation.get("devices"), ref, "status.allocation.devices")
+    results = devices.get("results")
+    field = "status.allocation.devices.results"
+    if results is None:
+        results = []
+    if not isinstance(results, list):
+        raise _malformed(ref, field, results, "a list")
+    if len(results) > MAX_RESULTS:
+        raise ClaimError(
+            f"{ref}: its allocation lists {len(results)} devices; the API allows at most"
+            f" {API_MAX_RESULTS} and this driver reads at most {MAX_RESULTS}: refused (is"
+            " something other than the API server answering?)"
+        )
+    parsed = [_result(r, ref, f"{field}[{i}]") for i, r in enumerate(results)]
+    ours = [r for r in parsed if r.driver == driver]
     if not ours:
-        drivers = sorted({str(r.get("driver")) for r in results}) or ["none"]
+        drivers = sorted({r.driver for r in parsed}) or ["none"]
         raise ClaimError(
             f"{ref}: its allocation names no device of driver {driver} (drivers: "
-            f"{', '.join(drivers)}); the kubelet sent it to the wrong driver"
+            f"{quote_untrusted(', '.join(drivers))}); the kubelet sent it to the wrong driver"
         )
-    elsewhere = sorted({str(r.get("pool")) for r in ours if r.get("pool") != pool})
+    elsewhere = sorted({r.pool for r in ours if r.pool != pool})
     if elsewhere:
         raise ClaimError(
-            f"{ref}: allocated devices from pool {', '.join(elsewhere)}, not from this node's"
-            f" pool {pool}; the claim belongs to another node (check --node-name)"
+            f"{ref}: allocated devices from pool {quote_untrusted(', '.join(elsewhere))}, not"
+            f" from this node's pool {pool}; the claim belongs to another node (check"
+            " --node-name)"
         )
-    devices = tuple(
-        Allocated(request=str(r.get("request", "")), pool=pool, device=str(r.get("device", "")))
-        for r in ours
-    )
-    for item in devices:
-        if not item.request or not item.device:
-            raise ClaimError(f"{ref}: an allocation result lacks its request or device name")
-    annotations = metadata.get("annotations") or {}
     return ClaimAllocation(
         ref=ref,
-        generation=int(metadata.get("generation") or 0),
-        pod_claim_name=annotations.get(POD_CLAIM_NAME_ANNOTATION),
-        devices=devices,
+        generation=generation,
+        pod_claim_name=pod_claim_name,
+        devices=tuple(Allocated(request=r.request, pool=pool, device=r.device) for r in ours),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    driver: str
+    pool: str
+    request: str
+    device: str
+
+
+def _result(value: object, ref: ClaimRef, field: str) -> _Result:
+    result = _object(value, ref, field, required=True)
+    texts = {
+        name: _text(result.get(name), ref, f"{field}.{name}", required=False)
+        for name in ("driver", "pool", "request", "device")
+    }
+    if texts["driver"] and not (texts["request"] and texts["device"]):
+        raise ClaimError(f"{ref}: the allocation result {field} lacks its request or device name")
+    return _Result(**texts)
+
+
+def _object(
+    value: object, ref: ClaimRef, field: str, *, required: bool = False
+) -> Mapping[str, object]:
+    if value is None and not required:
+        return {}
+    if not isinstance(value, dict):
+        raise _malformed(ref, field, value, "an object")
+    return value
+
+
+def _text(value: object, ref: ClaimRef, field: str, *, required: bool = True) -> str:
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or (required and not value):
+        raise _malformed(ref, field, value, "a non-empty string")
+    if len(value) > MAX_TEXT or not (value.isascii() and value.isprintable()):
+        raise ClaimError(
+            f"{ref}: {field} is {quote_untrusted(value, 80)}: longer than {MAX_TEXT} characters"
+            " or with characters the API allows in no name; refused"
+        )
+    return value
+
+
+def _malformed(ref: ClaimRef, field: str, value: object, expected: str) -> ClaimError:
+    return ClaimError(
+        f"{ref}: the claim's {field} is {_json_kind(value)}, not {expected}; the API server never"
+        " sends that shape: refused (is something other than the API server answering?)"
+    )
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "missing"
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+    kinds |= {list: "a list", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from dra.api import ApiError
 from dra.binding import BindingError, OnDemandBinder
 from dra.cdi import PreparedDevice, build_cdi_ids, build_metadata, build_spec, spec_file_name
-from dra.claims import ClaimAllocation, ClaimError, ClaimRef, read_allocation
+from dra.claims import ClaimAllocation, ClaimError, ClaimRef, parse_allocation
 from dra.devices import DraDevice, bdf_of_device
 from dra.state import ClaimStore, PreparedClaim, PreparedRecord, StateError
 from hostdev.atomic_file import write_file_atomically
@@ -120,7 +120,7 @@ class ClaimPreparer:
                 and self._still_bound(known)
             ):
                 return known
-            allocation = read_allocation(
+            allocation = parse_allocation(
                 self._claims.read_claim(ref.namespace, ref.name), ref, self._driver, self._pool
             )
             devices = self._check_devices(allocation)

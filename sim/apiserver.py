@@ -16,7 +16,8 @@ It serves, with the real server's status codes and `Status` bodies:
 
 Test controls act as the rest of the cluster would (the kubelet deleting a node's slices, the
 scheduler allocating a claim), inject failures (the next N requests answered 5xx, a forced
-conflict, the server down and back on the same port) and keep a log of every request.
+conflict, the server down and back on the same port), misbehave as a hostile server would (for
+tests only: trickled, hung and huge answers) and keep a log of every request.
 
 The HTTP side is `apiserver_http`, storage semantics `apiserver_store`, the server's decisions
 (Status bodies, selectors, validation) `apiserver_rules`.
@@ -33,15 +34,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import kubernetes.client
 import yaml
 
 from sim.apiserver_http import (
+    HOSTILE,
     ApiHttpServer,
     Failure,
     LoggedRequest,
+    Misbehaviour,
     build_server_context,
 )
 from sim.apiserver_rules import (
@@ -59,6 +62,7 @@ from sim.apiserver_rules import (
 from sim.apiserver_store import ApiError, Checks, Selection, Store
 from webhook.certs import build_serving_certificate
 
+_Planned = TypeVar("_Planned", Failure, Misbehaviour)
 Validator = Callable[[Object], list[FieldError]]
 """Checks an object a client sent (kind and apiVersion filled in); errors make it a 422."""
 
@@ -99,6 +103,7 @@ class ApiServerStandIn:
         self._lock = threading.Lock()
         self._log: list[LoggedRequest] = []
         self._failures: list[Failure] = []
+        self._misbehaviours: list[Misbehaviour] = []
         self._conflicts = 0
 
     # Lifecycle -----------------------------------------------------------------------------------
@@ -266,6 +271,30 @@ class ApiServerStandIn:
         with self._lock:
             self._failures.append(Failure(count, status, method, path, retry_after))
 
+    def misbehave(
+        self,
+        how: str,
+        count: int = 1,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        interval: float = 2.0,
+        size: int = 256 * 1024 * 1024,
+        chunked: bool = False,
+    ) -> None:
+        """Test only: answer the next `count` requests (of `method`, whose path contains `path`)
+        as a hostile or broken server would:
+        - `trickle`: the real answer, one byte every `interval` seconds;
+        - `hang`: nothing, until the stand-in stops;
+        - `huge`: the real answer padded to a body of `size` bytes, with Content-Length or,
+          with `chunked`, without."""
+        if how not in HOSTILE:
+            raise ValueError(f"misbehave: {how!r} is none of {', '.join(HOSTILE)}")
+        with self._lock:
+            self._misbehaviours.append(
+                Misbehaviour(count, how, method, path, interval, size, chunked)
+            )
+
     def conflict_next_update(self, count: int = 1) -> None:
         """Answer the next `count` updates with 409 Conflict, as if someone wrote first."""
         with self._lock:
@@ -287,15 +316,11 @@ class ApiServerStandIn:
 
     def take_failure(self, method: str, path: str) -> Failure | None:
         with self._lock:
-            for failure in self._failures:
-                if (
-                    failure.remaining > 0
-                    and failure.method in (None, method)
-                    and (failure.path is None or failure.path in path)
-                ):
-                    failure.remaining -= 1
-                    return failure
-            return None
+            return _take(self._failures, method, path)
+
+    def take_misbehaviour(self, method: str, path: str) -> Misbehaviour | None:
+        with self._lock:
+            return _take(self._misbehaviours, method, path)
 
     def take_conflict(self) -> bool:
         with self._lock:
@@ -352,6 +377,19 @@ def build_resource_claim(
             }
         },
     }
+
+
+def _take(planned: Sequence[_Planned], method: str, path: str) -> _Planned | None:
+    """The first planned answer with uses left that applies to this request, one use spent."""
+    for answer in planned:
+        if (
+            answer.remaining > 0
+            and answer.method in (None, method)
+            and (answer.path is None or answer.path in path)
+        ):
+            answer.remaining -= 1
+            return answer
+    return None
 
 
 def _never() -> bool:

@@ -60,6 +60,22 @@ class Failure:
     retry_after: int | None
 
 
+@dataclass(slots=True)
+class Misbehaviour:
+    """A hostile way to answer the next requests (see ApiServerStandIn.misbehave)."""
+
+    remaining: int
+    how: str
+    method: str | None
+    path: str | None
+    interval: float
+    size: int
+    chunked: bool
+
+
+HOSTILE = ("trickle", "hang", "huge")
+
+
 class Backend(Protocol):
     """What the HTTP side needs from the stand-in."""
 
@@ -69,6 +85,7 @@ class Backend(Protocol):
     bookmark_interval: float
 
     def take_failure(self, method: str, path: str) -> Failure | None: ...
+    def take_misbehaviour(self, method: str, path: str) -> Misbehaviour | None: ...
     def take_conflict(self) -> bool: ...
     def checks(self, kind: Kind) -> Checks: ...
     def record(self, request: LoggedRequest) -> None: ...
@@ -211,12 +228,15 @@ class _Handler(BaseHTTPRequestHandler):
             status, answer = e.code, e.status
         # Logged before answering, so the log has a request once its client has the answer.
         backend.record(LoggedRequest(method, split.path, query, body, status))
+        misbehaviour = backend.take_misbehaviour(method, split.path)
         try:
-            if watch is not None:
+            if misbehaviour is not None:
+                self._misbehave(misbehaviour, status, answer)
+            elif watch is not None:
                 self._watch(watch)
             else:
                 self._send_json(status, answer, headers)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
             pass
 
     def _dispatch(
@@ -309,6 +329,55 @@ class _Handler(BaseHTTPRequestHandler):
         if not self.server.stopping.is_set():
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
+
+    def _misbehave(self, how: Misbehaviour, status: int, answer: Object) -> None:
+        """Answer as a hostile or broken server would; the connection is not reused after."""
+        self.close_connection = True
+        stopping = self.server.stopping
+        if how.how == "hang":
+            stopping.wait()
+        elif how.how == "trickle":
+            data = json.dumps(answer).encode()
+            head = (
+                f"HTTP/1.1 {status} {self.responses[status][0]}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+            ).encode()
+            for byte in head + data:
+                if stopping.wait(how.interval):
+                    return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+        else:
+            self._send_huge(how, status, answer)
+
+    def _send_huge(self, how: Misbehaviour, status: int, answer: Object) -> None:
+        """`answer` with a padding field that makes its body `how.size` bytes, streamed (the
+        stand-in never holds it whole), with Content-Length or chunked."""
+        head = b'{"padding": "'
+        tail = (b'", ' + json.dumps(answer).encode()[1:]) if answer else b'"}'
+        padding = max(0, how.size - len(head) - len(tail))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        if how.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(len(head) + padding + len(tail)))
+        self.end_headers()
+        piece = b"x" * (1024 * 1024)
+        self._write_piece(head, how.chunked)
+        while padding > 0:
+            self._write_piece(piece[:padding], how.chunked)
+            padding -= len(piece)
+        self._write_piece(tail, how.chunked)
+        if how.chunked:
+            self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def _write_piece(self, data: bytes, chunked: bool) -> None:
+        if chunked:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        else:
+            self.wfile.write(data)
 
     def _chunk(self, event: Object) -> None:
         data = json.dumps(event).encode() + b"\n"

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from dra.claims import ClaimError, ClaimRef, read_allocation
+from dra.claims import ClaimError, ClaimRef, parse_allocation
 
 DRIVER = "vfio.kubevirt-iommufd.io"
 REF = ClaimRef("vms", "gpu-claim", "4f1c7d2e-0000-4000-8000-000000000001")
@@ -26,7 +26,7 @@ def result(
 
 
 def test_our_results_are_read_and_others_ignored() -> None:
-    allocation = read_allocation(
+    allocation = parse_allocation(
         claim(
             [result("pci-0000-65-00-0"), result("gpu-0", driver="gpu.nvidia.com")],
             generation=2,
@@ -46,7 +46,7 @@ def test_our_results_are_read_and_others_ignored() -> None:
         (claim([result("pci-0000-65-00-0")], uid="other"), "uid 'other'"),
         ({"metadata": {"uid": REF.uid}, "status": {}}, "not allocated yet"),
         (claim([result("gpu-0", driver="gpu.nvidia.com")]), "no device of driver"),
-        (claim([result("pci-0000-65-00-0", pool="node-b")]), "pool node-b"),
+        (claim([result("pci-0000-65-00-0", pool="node-b")]), "pool 'node-b'"),
         (claim([{"driver": DRIVER, "pool": "node-a"}]), "lacks its request or device"),
     ],
     ids=["uid-mismatch", "unallocated", "other-driver", "other-node", "incomplete"],
@@ -55,6 +55,99 @@ def test_claims_we_cannot_prepare_name_the_claim_and_the_fix(
     document: dict[str, Any], words: str
 ) -> None:
     with pytest.raises(ClaimError) as caught:
-        read_allocation(document, REF, DRIVER, "node-a")
+        parse_allocation(document, REF, DRIVER, "node-a")
     assert words in str(caught.value)
     assert "vms/gpu-claim" in str(caught.value)
+
+
+def allocated(results: object) -> dict[str, Any]:
+    return {
+        "metadata": {"uid": REF.uid},
+        "status": {"allocation": {"devices": {"results": results}}},
+    }
+
+
+def with_metadata(**fields: object) -> dict[str, Any]:
+    document = claim([result("pci-0000-65-00-0")])
+    document["metadata"].update(fields)
+    return document
+
+
+@pytest.mark.parametrize(
+    ("document", "words"),
+    [
+        ([], "the claim is a list, not an object"),
+        ("claim", "the claim is a string, not an object"),
+        ({"status": {}}, "metadata is missing, not an object"),
+        ({"metadata": []}, "metadata is a list, not an object"),
+        ({"metadata": {"uid": 7}}, "metadata.uid is a number, not a non-empty string"),
+        (with_metadata(generation="abc"), "metadata.generation is a string, not a non-negative"),
+        (with_metadata(generation=True), "metadata.generation is a boolean"),
+        (with_metadata(generation=-1), "metadata.generation is a number, not a non-negative"),
+        (with_metadata(annotations=["a"]), "metadata.annotations is a list, not an object"),
+        (
+            with_metadata(annotations={"resource.kubernetes.io/pod-claim-name": 3}),
+            "pod-claim-name] is a number, not a non-empty string",
+        ),
+        (
+            with_metadata(annotations={"resource.kubernetes.io/pod-claim-name": "gpu\x00s"}),
+            "'gpu\\x00s': longer than 1024 characters or with characters",
+        ),
+        ({"metadata": {"uid": REF.uid}, "status": "x"}, "status is a string, not an object"),
+        (
+            {"metadata": {"uid": REF.uid}, "status": {"allocation": [1]}},
+            "status.allocation is a list, not an object",
+        ),
+        (
+            {"metadata": {"uid": REF.uid}, "status": {"allocation": {"devices": 1}}},
+            "status.allocation.devices is a number, not an object",
+        ),
+        (allocated("pci-0000-65-00-0"), "results is a string, not a list"),
+        (allocated({"0": result("x")}), "results is an object, not a list"),
+        (allocated([["x"]]), "results[0] is a list, not an object"),
+        (allocated([None]), "results[0] is missing, not an object"),
+        (allocated([{**result("x"), "device": 65}]), "results[0].device is a number"),
+        (allocated([{**result("x"), "driver": ["d"]}]), "results[0].driver is a list"),
+        (allocated([result("pci\x00-65")]), "'pci\\x00-65': longer than 1024"),
+        (allocated([result("p" * 2000)]), "longer than 1024 characters"),
+        (allocated([result(f"pci-{i}") for i in range(129)]), "lists 129 devices; the API allows"),
+    ],
+    ids=[
+        "list",
+        "string",
+        "no-metadata",
+        "metadata-list",
+        "uid-number",
+        "generation-abc",
+        "generation-bool",
+        "generation-negative",
+        "annotations-list",
+        "pod-claim-name-number",
+        "pod-claim-name-nul",
+        "status-string",
+        "allocation-list",
+        "devices-number",
+        "results-string",
+        "results-object",
+        "result-list",
+        "result-null",
+        "device-number",
+        "driver-list",
+        "device-nul",
+        "device-long",
+        "too-many-results",
+    ],
+)
+def test_a_claim_of_the_wrong_shape_is_its_own_error_naming_the_field(
+    document: object, words: str
+) -> None:
+    with pytest.raises(ClaimError) as caught:
+        parse_allocation(document, REF, DRIVER, "node-a")
+    assert words in str(caught.value)
+    assert str(caught.value).startswith(str(REF))
+
+
+def test_as_many_results_as_the_api_allows_are_read() -> None:
+    results = [result(f"pci-{i}", request=f"r{i}") for i in range(128)]
+    allocation = parse_allocation(claim(results), REF, DRIVER, "node-a")
+    assert len(allocation.devices) == 128

@@ -1,0 +1,391 @@
+"""One API call as HTTP, under an overall deadline and a cap on what is read: the official
+`kubernetes` client builds the request (URL, query, auth headers) and lends its connection pool;
+the response is read here.
+
+The client's own `_request_timeout` is per socket operation (urllib3 `Timeout`, `total`
+included, bounds each read, not the call): a server that sends one byte every 2 s never trips a
+15 s read timeout, in the TLS handshake, the headers or the body. So every call has a deadline,
+and a timer cuts the call's connection when it passes: the pool makes its connections here
+(`install_deadlines`), each with a second descriptor of its TCP socket that the timer shuts down,
+which ends any read or write on it at once, TLS handshake included. The client's generated methods
+also read a whole error body into memory; reading here stops at a cap instead.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Any
+
+import urllib3
+from kubernetes import client
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.response import BaseHTTPResponse
+
+Object = dict[str, Any]
+MiB = 1024 * 1024
+READ_SIZE = 64 * 1024
+CONNECT_SECONDS = 5.0
+# A GET that answered 503 with Retry-After is not retried here: urllib3 would sleep as long as the
+# server says, past any deadline. The caller's retry (the kubelet's, the publisher's backoff) is.
+RETRIES = urllib3.Retry(total=2, redirect=0, status=0, respect_retry_after_header=False)
+
+
+class ApiError(Exception):
+    """A call failed; `status` is the HTTP status, or None when the server was not reached."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+
+class Deadline:
+    """One call's deadline: when it passes, every connection the call used is cut."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._at = time.monotonic() + seconds
+        self._lock = threading.Lock()
+        self._connections: list[_Cuttable] = []
+        self._expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    @property
+    def expired(self) -> bool:
+        with self._lock:
+            return self._expired
+
+    def remaining(self) -> float:
+        return max(0.001, self._at - time.monotonic())
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def watch(self, connection: _Cuttable) -> None:
+        with self._lock:
+            if connection not in self._connections:
+                self._connections.append(connection)
+            expired = self._expired
+        if expired:
+            connection.cut()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self._expired = True
+            connections = list(self._connections)
+        for connection in connections:
+            connection.cut()
+
+
+_current = threading.local()
+"""The deadline of the call this thread is making, while urllib3 connects and sends for it."""
+
+
+@contextmanager
+def _deadline_of_this_thread(deadline: Deadline) -> Iterator[None]:
+    _current.deadline = deadline
+    try:
+        yield
+    finally:
+        _current.deadline = None
+
+
+def _watch(connection: _Cuttable) -> None:
+    deadline: Deadline | None = getattr(_current, "deadline", None)
+    if deadline is not None:
+        deadline.watch(connection)
+
+
+if TYPE_CHECKING:
+    _Base = HTTPConnection
+else:
+    _Base = object
+
+
+class _Cuttable(_Base):
+    """A pool connection a deadline can cut. urllib3 makes it, sends on it and reads its answer
+    on the calling thread, so the deadline of that thread's call is the one to watch it."""
+
+    _shutter: socket.socket | None = None
+
+    def _new_conn(self) -> socket.socket:
+        sock = super()._new_conn()
+        self._close_shutter()
+        # The same TCP connection under a descriptor of our own: TLS detaches `sock` while it
+        # wraps it, and the pool may close it at any time, but shutting this one down ends the
+        # connection whatever holds it, and cannot hit a reused descriptor number.
+        self._shutter = sock.dup()
+        _watch(self)
+        return sock
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        _watch(self)
+        super().request(*args, **kwargs)
+
+    def cut(self) -> None:
+        shutter = self._shutter
+        if shutter is not None:
+            with suppress(OSError):
+                shutter.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._close_shutter()
+
+    def _close_shutter(self) -> None:
+        shutter, self._shutter = self._shutter, None
+        if shutter is not None:
+            shutter.close()
+
+
+class _CuttableHTTPConnection(_Cuttable, HTTPConnection):
+    pass
+
+
+class _CuttableHTTPSConnection(_Cuttable, HTTPSConnection):
+    pass
+
+
+class _HTTPPool(HTTPConnectionPool):
+    ConnectionCls = _CuttableHTTPConnection
+
+
+class _HTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _CuttableHTTPSConnection
+
+
+def install_deadlines(api_client: client.ApiClient) -> None:
+    """Make the client's pool open connections a deadline can cut. A SOCKS proxy's pools are
+    left alone: there, a deadline is checked between reads only."""
+    manager = api_client.rest_client.pool_manager
+    if type(manager) in (urllib3.PoolManager, urllib3.ProxyManager):
+        manager.clear()
+        manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+
+
+def call(
+    api_client: client.ApiClient,
+    what: str,
+    method: str,
+    path: str,
+    *,
+    seconds: float,
+    limit: int,
+    query: Sequence[tuple[str, str]] = (),
+    body: Object | None = None,
+) -> Object:
+    """`method` on `path`, answered within `seconds` with a JSON object of at most `limit`
+    bytes, or an ApiError saying which of these failed."""
+    deadline = Deadline(seconds)
+    deadline.start()
+    try:
+        response = _open(api_client, what, method, path, query, body, deadline)
+        with _released(response):
+            data = _read_body(response, what, limit, deadline)
+        if not 200 <= response.status <= 299:
+            raise _status_error(what, response.status, data)
+        return _json_object(what, data)
+    finally:
+        deadline.cancel()
+
+
+def stream_lines(
+    api_client: client.ApiClient,
+    what: str,
+    path: str,
+    *,
+    seconds: float,
+    limit: int,
+    query: Sequence[tuple[str, str]],
+) -> Iterator[bytes]:
+    """The lines of a streamed GET (a watch) until the server ends it, each at most `limit`
+    bytes; the whole stream is cut after `seconds`."""
+    deadline = Deadline(seconds)
+    deadline.start()
+    try:
+        response = _open(api_client, what, "GET", path, query, None, deadline)
+        with _released(response):
+            if not 200 <= response.status <= 299:
+                raise _status_error(
+                    what, response.status, _read_body(response, what, limit, deadline)
+                )
+            pending = bytearray()
+            for chunk in _chunks(response, what, deadline):
+                pending += chunk
+                while (end := pending.find(b"\n")) >= 0:
+                    line = bytes(pending[:end])
+                    del pending[: end + 1]
+                    yield line
+                if len(pending) > limit:
+                    raise ApiError(f"{what}: an event is larger than {_size(limit)}; refused")
+    finally:
+        deadline.cancel()
+
+
+def _open(
+    api_client: client.ApiClient,
+    what: str,
+    method: str,
+    path: str,
+    query: Sequence[tuple[str, str]],
+    body: Object | None,
+    deadline: Deadline,
+) -> BaseHTTPResponse:
+    _, url, headers, _, _ = api_client.param_serialize(
+        method=method,
+        resource_path=path,
+        query_params=list(query),
+        header_params={"Accept": "application/json", "Content-Type": "application/json"},
+        auth_settings=["BearerToken"],
+    )
+    remaining = deadline.remaining()
+    timeout = urllib3.Timeout(connect=min(CONNECT_SECONDS, remaining), read=remaining)
+    try:
+        with _deadline_of_this_thread(deadline):
+            return api_client.rest_client.pool_manager.request(
+                method,
+                url,
+                body=json.dumps(body) if body is not None else None,
+                headers=headers,
+                timeout=timeout,
+                retries=RETRIES,
+                preload_content=False,
+                decode_content=False,
+            )
+    except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as error:
+        raise _network_error(what, error, deadline, "API server unreachable") from None
+
+
+def _read_body(response: BaseHTTPResponse, what: str, limit: int, deadline: Deadline) -> bytes:
+    """The body, refused as soon as it is known to exceed `limit`: by Content-Length when the
+    server gives one, else by counting what arrives."""
+    length = response.headers.get("Content-Length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(what, limit, f" (Content-Length {length})")
+    data = bytearray()
+    for chunk in _chunks(response, what, deadline):
+        data += chunk
+        if len(data) > limit:
+            raise _too_large(what, limit, "")
+    return bytes(data)
+
+
+def _chunks(response: BaseHTTPResponse, what: str, deadline: Deadline) -> Iterator[bytes]:
+    encoding = response.headers.get("Content-Encoding", "identity").lower()
+    if encoding != "identity":
+        # Never asked for; decoding it would let a small body grow without bound.
+        raise ApiError(f"{what}: the answer is compressed ({encoding}) though none was asked for")
+    while True:
+        if deadline.expired:
+            raise _timed_out(what, deadline)
+        try:
+            chunk = response.read1(READ_SIZE, decode_content=False)
+        except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as error:
+            raise _network_error(what, error, deadline, "connection lost") from None
+        if not chunk:
+            if deadline.expired:
+                raise _timed_out(what, deadline)
+            return
+        yield chunk
+
+
+@contextmanager
+def _released(response: BaseHTTPResponse) -> Iterator[None]:
+    """The connection goes back to the pool; closed first unless the answer was read to its
+    end, as what is left of it would be read as the next answer."""
+    try:
+        yield
+    except BaseException:
+        response.close()
+        raise
+    finally:
+        response.release_conn()
+
+
+def _json_object(what: str, data: bytes) -> Object:
+    try:
+        decoded = json.loads(data or b"{}")
+    # Deep nesting is a RecursionError, not a ValueError.
+    except (ValueError, RecursionError) as error:
+        raise ApiError(f"{what}: the answer is not JSON ({str(error)[:200]})") from None
+    if not isinstance(decoded, dict):
+        raise ApiError(f"{what}: the answer is a JSON {type(decoded).__name__}, not an object")
+    return decoded
+
+
+def parse_event(what: str, line: bytes) -> tuple[str, Object]:
+    """A watch event's type and object."""
+    event = _json_object(what, line)
+    kind, item = event.get("type"), event.get("object")
+    if not isinstance(kind, str) or not isinstance(item, dict):
+        raise ApiError(f"{what}: an event lacks its type or object")
+    if kind == "ERROR":
+        code = item.get("code")
+        raise ApiError(
+            f"{what}: {str(item.get('message', 'error'))[:500]}",
+            code if isinstance(code, int) else None,
+        )
+    return kind, item
+
+
+def _status_error(what: str, status: int, data: bytes) -> ApiError:
+    message = ""
+    with suppress(ApiError):
+        message = str(_json_object(what, data).get("message", ""))[:500]
+    hint = {
+        401: "the driver's credentials were refused",
+        403: "RBAC denies it: grant the driver's service account this verb (docs/dra.md)",
+        404: "not found",
+        409: "conflict",
+    }.get(status, f"HTTP {status}")
+    return ApiError(f"{what}: {hint}" + (f" ({message})" if message else ""), status)
+
+
+def _network_error(what: str, error: Exception, deadline: Deadline, fallback: str) -> ApiError:
+    if deadline.expired:
+        return _timed_out(what, deadline)
+    return ApiError(f"{what}: {fallback} ({error})")
+
+
+def _timed_out(what: str, deadline: Deadline) -> ApiError:
+    return ApiError(f"{what}: the API server did not answer within {deadline.seconds:g} s")
+
+
+def _too_large(what: str, limit: int, detail: str) -> ApiError:
+    return ApiError(
+        f"{what}: the answer is larger than {_size(limit)}{detail}, more than the API server"
+        " stores in one object; refused"
+    )
+
+
+def _size(limit: int) -> str:
+    return f"{limit / MiB:g} MiB" if limit >= MiB else f"{limit} bytes"
+
+
+def query_of(options: Mapping[str, str | int | bool | None]) -> list[tuple[str, str]]:
+    """Query parameters as the API server reads them (booleans as `true`), unset ones left out."""
+    return [
+        (name, ("true" if value else "false") if isinstance(value, bool) else str(value))
+        for name, value in options.items()
+        if value is not None
+    ]
