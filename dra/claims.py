@@ -48,7 +48,7 @@ class ClaimAllocation:
     devices: tuple[Allocated, ...]
 
 
-def read_allocation(
+def parse_allocation(
     claim: Mapping[str, Any], ref: ClaimRef, driver: str, pool: str
 ) -> ClaimAllocation:
     """The devices `driver` must prepare for `ref` from `pool`, checked against the claim."""

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from dra.claims import ClaimError, ClaimRef, read_allocation
+from dra.claims import ClaimError, ClaimRef, parse_allocation
 
 DRIVER = "vfio.kubevirt-iommufd.io"
 REF = ClaimRef("vms", "gpu-claim", "4f1c7d2e-0000-4000-8000-000000000001")
@@ -26,7 +26,7 @@ def result(
 
 
 def test_our_results_are_read_and_others_ignored() -> None:
-    allocation = read_allocation(
+    allocation = parse_allocation(
         claim(
             [result("pci-0000-65-00-0"), result("gpu-0", driver="gpu.nvidia.com")],
             generation=2,
@@ -55,6 +55,6 @@ def test_claims_we_cannot_prepare_name_the_claim_and_the_fix(
     document: dict[str, Any], words: str
 ) -> None:
     with pytest.raises(ClaimError) as caught:
-        read_allocation(document, REF, DRIVER, "node-a")
+        parse_allocation(document, REF, DRIVER, "node-a")
     assert words in str(caught.value)
     assert "vms/gpu-claim" in str(caught.value)
