@@ -141,9 +141,11 @@ class ClaimPreparer:
         """Plan the claim, bind what the plan says, write its files and record it."""
         judged = dict(self._host.judge_now(bdfs_named(allocation)))
         plan = self._plan(allocation, judged)
+        bound = False
         try:
             if isinstance(plan, BindFirst) and self._binder is not None:
                 judged |= self._bind(self._binder, allocation.ref, plan)
+                bound = True
                 plan = self._plan(allocation, judged)
             if isinstance(plan, BindFirst):
                 raise ClaimError(
@@ -153,10 +155,11 @@ class ClaimPreparer:
             for file in plan.files:
                 write_file_atomically(file.path, file.content, 0o644)
             self._store.save(plan.claim)
-        except (OSError, StateError):
-            # Not recorded: devices bound for it must not stay on VFIO, unheld.
-            if known is None and self._binder is not None:
-                self._binder.release(allocation.ref.uid)
+        except BaseException:
+            # Whatever went wrong, devices bound for a claim that is not recorded must not stay
+            # on VFIO: they would be published as free and taken from under the next claim.
+            if bound and known is None:
+                self._give_back(allocation.ref)
             raise
         return plan.claim
 
@@ -193,6 +196,19 @@ class ClaimPreparer:
         except (BindingError, HostdevError, OSError) as error:
             raise ClaimError(f"{ref}: {error}") from error
         return latest
+
+    def _give_back(self, ref: ClaimRef) -> None:
+        if self._binder is None:
+            return
+        try:
+            self._binder.release(ref.uid)
+        except (BindingError, HostdevError, OSError) as error:
+            log.error(
+                "%s: giving back the devices bound for it failed: %s; the driver gives them"
+                " back at its next start",
+                quote_untrusted(str(ref)),
+                error,
+            )
 
     def _still_prepared(self, claim: PreparedClaim) -> bool:
         """Whether a prepared claim's files are all there and its on-demand devices still on

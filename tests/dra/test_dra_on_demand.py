@@ -15,7 +15,7 @@ import pytest
 from cdi_schema import validate_cdi_spec
 from dra.binding import JournalEntry, Moved
 from dra.devices import build_devices
-from dra.state import PreparedClaim
+from dra.state import ClaimStore, PreparedClaim
 from dra_testkit import REF, Node
 from hostdev.bdf import Bdf
 from hostdev.binding.lock import hold_binding_lock
@@ -261,3 +261,25 @@ def test_a_bind_whose_undo_failed_is_not_tried_again_over_its_journal(node: Node
     assert isinstance(answer, str) and "needs a person" in answer
     assert json.loads(path.read_text()) == journal.to_json()
     assert drivers(node) == BEFORE
+
+
+@pytest.mark.parametrize("step", ["write", "record"])
+def test_any_error_after_the_bind_gives_the_devices_back(
+    node: Node, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    def bug(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    if step == "write":
+        monkeypatch.setattr("dra.prepare.write_file_atomically", bug)
+    else:
+        monkeypatch.setattr(ClaimStore, "save", bug)
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    with pytest.raises(RuntimeError, match="a bug"):
+        node.preparer.prepare([REF])
+    # Unrecorded, it would be published as free and taken from under the next claim's VM.
+    assert drivers(node) == BEFORE
+    assert not list((node.state_dir / "bindings").glob("*.json"))
+    assert not (node.state_dir / "claims" / f"{REF.uid}.json").exists()
+    monkeypatch.undo()
+    assert isinstance(node.preparer.prepare([REF])[REF.uid], PreparedClaim)
