@@ -140,13 +140,13 @@ class ClaimPreparer:
     ) -> PreparedClaim:
         """Plan the claim, bind what the plan says, write its files and record it."""
         judged = dict(self._host.judge_now(bdfs_named(allocation)))
-        plan = self._plan(allocation, judged)
+        plan = self._plan(allocation, known, judged)
         bound = False
         try:
             if isinstance(plan, BindFirst) and self._binder is not None:
                 judged |= self._bind(self._binder, allocation.ref, plan)
                 bound = True
-                plan = self._plan(allocation, judged)
+                plan = self._plan(allocation, known, judged)
             if isinstance(plan, BindFirst):
                 raise ClaimError(
                     f"{allocation.ref}: {', '.join(map(str, plan.bdfs))} still on their host"
@@ -164,10 +164,14 @@ class ClaimPreparer:
         return plan.claim
 
     def _plan(
-        self, allocation: ClaimAllocation, judged: Mapping[Bdf, DraDevice | str]
+        self,
+        allocation: ClaimAllocation,
+        known: PreparedClaim | None,
+        judged: Mapping[Bdf, DraDevice | str],
     ) -> BindFirst | WritePlan:
         plan = plan_prepare(
             allocation,
+            known,
             judged,
             (c for c in self._store if c.uid != allocation.ref.uid),
             driver=self._driver,

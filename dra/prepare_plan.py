@@ -22,7 +22,7 @@ from dra.cdi import (
     metadata_file_name,
     spec_file_name,
 )
-from dra.claims import ClaimAllocation, ClaimRef
+from dra.claims import Allocated, ClaimAllocation, ClaimRef
 from dra.devices import DraDevice, bdf_of_device
 from dra.state import PreparedClaim, PreparedDevice
 from hostdev.bdf import Bdf
@@ -89,8 +89,15 @@ def is_still_on_vfio(judged: Mapping[Bdf, DraDevice | str]) -> bool:
     return all(isinstance(d, DraDevice) and not d.bind_on_demand for d in judged.values())
 
 
+def same_allocation(recorded: PreparedClaim, allocation: ClaimAllocation) -> bool:
+    return sorted((d.request, d.pool, d.device) for d in recorded.devices) == sorted(
+        (d.request, d.pool, d.device) for d in allocation.devices
+    )
+
+
 def plan_prepare(
     allocation: ClaimAllocation,
+    recorded: PreparedClaim | None,
     judged: Mapping[Bdf, DraDevice | str],
     others: Iterable[PreparedClaim],
     *,
@@ -98,28 +105,26 @@ def plan_prepare(
     paths: Paths,
     can_bind: bool,
 ) -> Refusal | BindFirst | WritePlan:
-    """What to do for `allocation`, given its devices as judged now (by address; missing ones
-    are gone) and the other prepared claims; `can_bind` says whether devices on their host
-    drivers may be bound on demand."""
+    """What to do for `allocation`, given this claim's own record (when it was prepared
+    before), its devices as judged now (by address; missing ones are gone) and the other
+    prepared claims; `can_bind` says whether devices on their host drivers may be bound on
+    demand."""
     ref = allocation.ref
+    if recorded is not None and not same_allocation(recorded, allocation):
+        # Preparing over it would lose the record, and the bind journal, of the devices the
+        # claim has: they would be published as free while its VM may have them.
+        return Refusal(
+            f"{ref}: the API server now allocates it {_listed(allocation.devices)}, but it was"
+            f" prepared with {_listed(recorded.devices)}; an allocation never changes, so the"
+            " first preparation is kept; delete the pod so that the kubelet unprepares the"
+            " claim, then it is prepared anew"
+        )
     held = _held_groups(others)
     devices: dict[str, DraDevice] = {}
     for item in allocation.devices:
-        bdf = bdf_of_device(item.device)
-        if bdf is None:
-            return Refusal(
-                f"{ref}: device {quote_untrusted(item.device)} is not a name this driver"
-                " publishes; the allocation is from another driver's slice"
-            )
-        device = judged.get(bdf, GONE)
-        if isinstance(device, str):
-            return Refusal(
-                f"{ref}: device {item.device} ({bdf}) cannot be given to a VM: {device};"
-                " fix the device (inspect shows why) and recreate the pod"
-            )
-        holder = held.get(device.group)
-        if holder is not None:
-            return Refusal(_taken(ref, item.device, bdf, holder))
+        device = _device_for(ref, item, judged, held)
+        if isinstance(device, Refusal):
+            return device
         devices[item.device] = device
     to_bind = sorted({d.bdf for d in devices.values() if d.bind_on_demand})
     if to_bind:
@@ -130,6 +135,30 @@ def plan_prepare(
             any(d.reset_after_use for d in devices.values() if d.bind_on_demand),
         )
     return _write_plan(allocation, devices, driver, paths)
+
+
+def _device_for(
+    ref: ClaimRef,
+    item: Allocated,
+    judged: Mapping[Bdf, DraDevice | str],
+    held: Mapping[int, _Holder],
+) -> DraDevice | Refusal:
+    bdf = bdf_of_device(item.device)
+    if bdf is None:
+        return Refusal(
+            f"{ref}: device {quote_untrusted(item.device)} is not a name this driver"
+            " publishes; the allocation is from another driver's slice"
+        )
+    device = judged.get(bdf, GONE)
+    if isinstance(device, str):
+        return Refusal(
+            f"{ref}: device {item.device} ({bdf}) cannot be given to a VM: {device};"
+            " fix the device (inspect shows why) and recreate the pod"
+        )
+    holder = held.get(device.group)
+    if holder is not None:
+        return Refusal(_taken(ref, item.device, bdf, holder))
+    return device
 
 
 def _write_plan(
@@ -194,6 +223,12 @@ def _taken(ref: ClaimRef, name: str, bdf: Bdf, holder: _Holder) -> str:
     return (
         f"{ref}: device {name} ({bdf}) {what} for claim {claim.namespace}/{claim.name}"
         f" (uid {claim.uid}); it is freed when that claim's pod is gone"
+    )
+
+
+def _listed(devices: Iterable[Allocated | PreparedDevice]) -> str:
+    return ", ".join(
+        f"{quote_untrusted(d.device)} for request {quote_untrusted(d.request)}" for d in devices
     )
 
 

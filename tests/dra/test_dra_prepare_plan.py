@@ -76,8 +76,11 @@ def plan(
     judged: dict[Bdf, DraDevice | str],
     others: tuple[PreparedClaim, ...] = (),
     can_bind: bool = True,
+    recorded: PreparedClaim | None = None,
 ) -> Refusal | BindFirst | WritePlan:
-    return plan_prepare(wanted, judged, others, driver=DRIVER, paths=PATHS, can_bind=can_bind)
+    return plan_prepare(
+        wanted, recorded, judged, others, driver=DRIVER, paths=PATHS, can_bind=can_bind
+    )
 
 
 @pytest.mark.parametrize(
@@ -221,3 +224,19 @@ def test_a_prepared_claim_is_still_on_vfio_only_while_every_device_is(
     judged: dict[Bdf, DraDevice | str], expected: bool
 ) -> None:
     assert is_still_on_vfio(judged) is expected
+
+
+def test_a_claim_prepared_before_is_planned_again_only_for_the_same_allocation() -> None:
+    wanted = allocation(("gpu", GPU_A))
+    judged: dict[Bdf, DraDevice | str] = {GPU_A: on_vfio(GPU_A, 7), GPU_B: on_vfio(GPU_B, 8)}
+    same = prepared(REF.uid, REF.name, GPU_A, 7)
+    assert isinstance(plan(wanted, judged, recorded=same), WritePlan)
+    moved = allocation(("gpu", GPU_B))
+    answer = plan(moved, judged, recorded=same)
+    assert isinstance(answer, Refusal)
+    assert answer.message == (
+        f"{REF}: the API server now allocates it 'pci-0000-2a-00-0' for request 'gpu', but it"
+        " was prepared with 'pci-0000-18-00-0' for request 'gpu'; an allocation never changes,"
+        " so the first preparation is kept; delete the pod so that the kubelet unprepares the"
+        " claim, then it is prepared anew"
+    )
