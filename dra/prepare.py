@@ -32,6 +32,7 @@ from dra.prepare_plan import (
     bdfs_named,
     is_still_on_vfio,
     plan_prepare,
+    same_allocation,
 )
 from dra.state import ClaimStore, PreparedClaim, StateError
 from hostdev.atomic_file import write_file_atomically
@@ -85,7 +86,8 @@ class ClaimPreparer:
         the kubelet's call never waits for the slices to be published."""
         self._binder = binder
         """Binds on-demand devices; without one only devices already on VFIO are prepared."""
-        # One claim at a time: two claims racing for one device must not both see it free.
+        # One claim at a time: two claims racing for one device must not both see it free. It
+        # is never held over a call to the API server, so NodeUnprepare never waits on one.
         self._lock = threading.Lock()
 
     def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PreparedClaim | str]:
@@ -120,9 +122,20 @@ class ClaimPreparer:
             known = self._store.get(ref.uid)
             if known is not None and self._still_prepared(known):
                 return known
-            allocation = parse_allocation(
-                self._claims.read_claim(ref.namespace, ref.name), ref, self._driver, self._pool
-            )
+        # The API server is asked without the lock: a slow answer holds up this claim only.
+        allocation = parse_allocation(
+            self._claims.read_claim(ref.namespace, ref.name), ref, self._driver, self._pool
+        )
+        with self._lock:
+            # Looked at again: while the answer came, another call may have prepared this claim
+            # (a kubelet retry) or taken its devices for another.
+            known = self._store.get(ref.uid)
+            if (
+                known is not None
+                and same_allocation(known, allocation)
+                and self._still_prepared(known)
+            ):
+                return known
             prepared = self._prepare_locked(allocation, known)
         self._announce(ref.uid)
         log.info(
