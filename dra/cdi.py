@@ -10,13 +10,12 @@ reads the device's PCI address.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from dra.claims import ClaimAllocation
-from dra.devices import AttributeValue, typed_attributes
+from dra.claims import Allocated, ClaimAllocation
+from dra.devices import DraDevice, typed_attributes
 
 CDI_VERSION = "0.6.0"
 METADATA_API_VERSION = "metadata.resource.k8s.io/v1alpha1"
@@ -25,23 +24,17 @@ _NOT_CDI_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
 Object = dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class PreparedDevice:
-    """An allocated device as this node has it."""
-
-    request: str
-    pool: str
-    device: str
-    device_nodes: tuple[str, ...]
-    attributes: Mapping[str, AttributeValue]
-
-
 def cdi_kind(driver: str) -> str:
     return f"{driver}/claim"
 
 
 def spec_file_name(driver: str, claim_uid: str) -> str:
     return f"{driver}-claim_{claim_uid}.json"
+
+
+def metadata_file_name(driver: str) -> str:
+    """The name of a request's metadata file, on the host and in the container alike."""
+    return f"{driver}-metadata.json"
 
 
 def device_cdi_name(claim_uid: str, device: str) -> str:
@@ -64,13 +57,14 @@ def metadata_container_path(allocation: ClaimAllocation, request: str, driver: s
         base = METADATA_ROOT / "resourceclaimtemplates" / allocation.pod_claim_name
     else:
         base = METADATA_ROOT / "resourceclaims" / allocation.ref.name
-    return str(base / request / f"{driver}-metadata.json")
+    return str(base / request / metadata_file_name(driver))
 
 
 def build_metadata(
-    allocation: ClaimAllocation, request: str, driver: str, devices: Sequence[PreparedDevice]
+    allocation: ClaimAllocation, request: str, driver: str, devices: Mapping[str, DraDevice]
 ) -> Object:
-    """The KEP-5304 DeviceMetadata document for one request of the claim."""
+    """The KEP-5304 DeviceMetadata document for one request of the claim; `devices` are the
+    host's devices by the allocation's names for them."""
     ref = allocation.ref
     document: Object = {
         "apiVersion": METADATA_API_VERSION,
@@ -90,12 +84,12 @@ def build_metadata(
             "devices": [
                 {
                     "driver": driver,
-                    "pool": d.pool,
-                    "name": d.device,
-                    "attributes": typed_attributes(d.attributes),
+                    "pool": item.pool,
+                    "name": item.device,
+                    "attributes": typed_attributes(devices[item.device].attributes),
                 }
-                for d in devices
-                if d.request == request
+                for item in allocation.devices
+                if item.request == request
             ],
         }
     ]
@@ -105,18 +99,21 @@ def build_metadata(
 def build_spec(
     allocation: ClaimAllocation,
     driver: str,
-    devices: Sequence[PreparedDevice],
+    devices: Mapping[str, DraDevice],
     metadata_host_paths: Mapping[str, str],
 ) -> Object:
-    """The claim's CDI spec: one entry per device with its nodes, one per request with the
-    read-only mount of that request's metadata file (host path by request name)."""
+    """The claim's CDI spec: one entry per device with its nodes (`devices` by the allocation's
+    names for them), one per request with the read-only mount of that request's metadata file
+    (host path by request name)."""
     uid = allocation.ref.uid
     entries: list[Object] = [
         {
-            "name": device_cdi_name(uid, d.device),
-            "containerEdits": {"deviceNodes": [{"path": node} for node in d.device_nodes]},
+            "name": device_cdi_name(uid, item.device),
+            "containerEdits": {
+                "deviceNodes": [{"path": node} for node in devices[item.device].device_nodes]
+            },
         }
-        for d in devices
+        for item in allocation.devices
     ]
     entries += [
         {
@@ -136,7 +133,7 @@ def build_spec(
     return {"cdiVersion": CDI_VERSION, "kind": cdi_kind(driver), "devices": entries}
 
 
-def build_cdi_ids(driver: str, claim_uid: str, device: PreparedDevice) -> tuple[str, ...]:
+def build_cdi_ids(driver: str, claim_uid: str, device: Allocated) -> tuple[str, ...]:
     """What the kubelet hands the runtime for one device: its nodes and its request's metadata."""
     return (
         cdi_id(driver, device_cdi_name(claim_uid, device.device)),

@@ -1,6 +1,7 @@
-"""NodePrepareResources and NodeUnprepareResources, as the kubelet asks them: per claim, check
-the allocation against the API server and the host, write the CDI spec and metadata, remember
-the claim; later, take all of it back. Either call may come again at any time (kubelet retries,
+"""NodePrepareResources and NodeUnprepareResources, as the kubelet asks them: per claim, read
+the allocation from the API server and the devices from the host, let the plan
+(dra.prepare_plan) decide, bind what it says, write the CDI spec and metadata, remember the
+claim; later, take all of it back. Either call may come again at any time (kubelet retries,
 restarts of either side) and must give the same answer without doing the work twice.
 
 Every failure is the claim's own answer (an error string naming the claim, the device and the
@@ -9,22 +10,31 @@ fix); one bad claim never fails the others of the same call.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from dra.api import ApiError
 from dra.binding import BindingError, OnDemandBinder
-from dra.cdi import PreparedDevice, build_cdi_ids, build_metadata, build_spec, spec_file_name
 from dra.claims import ClaimAllocation, ClaimError, ClaimRef, parse_allocation
-from dra.devices import DraDevice, bdf_of_device
-from dra.state import ClaimStore, PreparedClaim, PreparedRecord, StateError
+from dra.devices import DraDevice
+from dra.host_cache import HostCache
+from dra.prepare_plan import (
+    BindFirst,
+    Paths,
+    Refusal,
+    WritePlan,
+    bdfs_named,
+    is_still_on_vfio,
+    plan_prepare,
+    same_allocation,
+)
+from dra.state import ClaimStore, PreparedClaim, StateError
 from hostdev.atomic_file import write_file_atomically
 from hostdev.bdf import Bdf
 from hostdev.errors import HostdevError
@@ -40,23 +50,16 @@ class ClaimReader(Protocol):
     def read_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
 
 
-JudgeDevices = Callable[[Iterable[Bdf]], Mapping[Bdf, DraDevice | str]]
-"""Reads the named functions (and their groups) again and judges each as a published device."""
-
-
 @dataclass(frozen=True, slots=True)
-class Paths:
-    cdi_dir: Path
-    metadata_dir: Path
+class ClaimsChanged:
+    """Posted after a claim was prepared or forgotten: which group companions may be published
+    changed (the store says which groups are held now)."""
 
-    def spec(self, driver: str, uid: str) -> Path:
-        return self.cdi_dir / spec_file_name(driver, uid)
+    uid: str
 
-    def metadata_root(self, uid: str) -> Path:
-        return self.metadata_dir / uid
 
-    def metadata(self, uid: str, request: str, driver: str) -> Path:
-        return self.metadata_root(uid) / request / f"{driver}-metadata.json"
+class ChangeSink(Protocol):
+    def put(self, item: ClaimsChanged, /) -> None: ...
 
 
 class ClaimPreparer:
@@ -65,23 +68,26 @@ class ClaimPreparer:
         driver: str,
         pool: str,
         claims: ClaimReader,
-        judge: JudgeDevices,
+        host: HostCache,
         store: ClaimStore,
         paths: Paths,
-        on_change: Callable[[], None] = lambda: None,
+        *,
+        changes: ChangeSink | None = None,
         binder: OnDemandBinder | None = None,
     ) -> None:
         self._driver = driver
         self._pool = pool
         self._claims = claims
-        self._judge = judge
+        self._host = host
         self._store = store
         self._paths = paths
-        self._on_change = on_change
-        """Told after a claim was prepared or forgotten: what may be published changed."""
+        self._changes = changes
+        """Told of each claim prepared or forgotten (a queue the driver's event thread reads):
+        the kubelet's call never waits for the slices to be published."""
         self._binder = binder
         """Binds on-demand devices; without one only devices already on VFIO are prepared."""
-        # One claim at a time: two claims racing for one device must not both see it free.
+        # One claim at a time: two claims racing for one device must not both see it free. It
+        # is never held over a call to the API server, so NodeUnprepare never waits on one.
         self._lock = threading.Lock()
 
     def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PreparedClaim | str]:
@@ -114,25 +120,24 @@ class ClaimPreparer:
         _check_ref(ref)
         with self._lock:
             known = self._store.get(ref.uid)
+            if known is not None and self._still_prepared(known):
+                return known
+        # The API server is asked without the lock: a slow answer holds up this claim only.
+        allocation = parse_allocation(
+            self._claims.read_claim(ref.namespace, ref.name), ref, self._driver, self._pool
+        )
+        with self._lock:
+            # Looked at again: while the answer came, another call may have prepared this claim
+            # (a kubelet retry) or taken its devices for another.
+            known = self._store.get(ref.uid)
             if (
                 known is not None
-                and all(Path(f).exists() for f in known.files)
-                and self._still_bound(known)
+                and same_allocation(known, allocation)
+                and self._still_prepared(known)
             ):
                 return known
-            allocation = parse_allocation(
-                self._claims.read_claim(ref.namespace, ref.name), ref, self._driver, self._pool
-            )
-            devices = self._check_devices(allocation)
-            try:
-                prepared = self._write(allocation, devices)
-                self._store.save(prepared)
-            except (OSError, StateError):
-                # Not recorded: devices bound for it must not stay on VFIO, unheld.
-                if known is None and self._binder is not None:
-                    self._binder.release(ref.uid)
-                raise
-        self._on_change()
+            prepared = self._prepare_locked(allocation, known)
+        self._announce(ref.uid)
         log.info(
             "prepared %s: %s",
             quote_untrusted(str(ref)),
@@ -143,121 +148,97 @@ class ClaimPreparer:
         )
         return prepared
 
-    def _check_devices(self, allocation: ClaimAllocation) -> list[tuple[PreparedDevice, Bdf, int]]:
-        ref = allocation.ref
-        wanted: dict[str, Bdf] = {}
-        for item in allocation.devices:
-            bdf = bdf_of_device(item.device)
-            if bdf is None:
+    def _prepare_locked(
+        self, allocation: ClaimAllocation, known: PreparedClaim | None
+    ) -> PreparedClaim:
+        """Plan the claim, bind what the plan says, write its files and record it."""
+        judged = dict(self._host.judge_now(bdfs_named(allocation)))
+        plan = self._plan(allocation, known, judged)
+        bound = False
+        try:
+            if isinstance(plan, BindFirst) and self._binder is not None:
+                judged |= self._bind(self._binder, allocation.ref, plan)
+                bound = True
+                plan = self._plan(allocation, known, judged)
+            if isinstance(plan, BindFirst):
                 raise ClaimError(
-                    f"{ref}: device {quote_untrusted(item.device)} is not a name this driver"
-                    " publishes; the allocation is from another driver's slice"
+                    f"{allocation.ref}: {', '.join(map(str, plan.bdfs))} still on their host"
+                    " drivers after binding them to VFIO; the kubelet retries"
                 )
-            wanted[item.device] = bdf
-        judged = self._judge(set(wanted.values()))
-        devices: dict[Bdf, DraDevice] = {}
-        for item in allocation.devices:
-            bdf = wanted[item.device]
-            device = judged.get(bdf, "gone from the host")
-            if isinstance(device, str):
-                raise ClaimError(
-                    f"{ref}: device {item.device} ({bdf}) cannot be given to a VM: {device};"
-                    " fix the device (inspect shows why) and recreate the pod"
-                )
-            self._check_group_free(ref, item.device, bdf, device.group)
-            devices[bdf] = device
-        to_bind = sorted(b for b, d in devices.items() if d.bind_on_demand)
-        if to_bind:
-            reset = any(devices[b].reset_after_use for b in to_bind)
-            devices |= self._bind(ref, to_bind, reset)
-        return [
-            (
-                PreparedDevice(
-                    request=item.request,
-                    pool=item.pool,
-                    device=item.device,
-                    device_nodes=devices[wanted[item.device]].device_nodes,
-                    attributes=devices[wanted[item.device]].attributes,
-                ),
-                wanted[item.device],
-                devices[wanted[item.device]].group,
-            )
-            for item in allocation.devices
-        ]
+            for file in plan.files:
+                write_file_atomically(file.path, file.content, 0o644)
+            self._store.save(plan.claim)
+        except BaseException:
+            # Whatever went wrong, devices bound for a claim that is not recorded must not stay
+            # on VFIO: they would be published as free and taken from under the next claim.
+            if bound and known is None:
+                self._give_back(allocation.ref)
+            raise
+        return plan.claim
 
-    def _check_group_free(self, ref: ClaimRef, name: str, bdf: Bdf, group: int) -> None:
-        held = self._store.holder_of(group, besides=ref.uid)
-        if held is None:
-            return
-        holder, record = held
-        what = (
-            "is already prepared"
-            if record.bdf == bdf
-            else f"shares IOMMU group {group} with {record.device} ({record.bdf}), prepared"
+    def _plan(
+        self,
+        allocation: ClaimAllocation,
+        known: PreparedClaim | None,
+        judged: Mapping[Bdf, DraDevice | str],
+    ) -> BindFirst | WritePlan:
+        plan = plan_prepare(
+            allocation,
+            known,
+            judged,
+            (c for c in self._store if c.uid != allocation.ref.uid),
+            driver=self._driver,
+            paths=self._paths,
+            can_bind=self._binder is not None,
         )
-        raise ClaimError(
-            f"{ref}: device {name} ({bdf}) {what} for claim {holder.namespace}/{holder.name}"
-            f" (uid {holder.uid}); it is freed when that claim's pod is gone"
-        )
+        if isinstance(plan, Refusal):
+            raise ClaimError(plan.message)
+        return plan
 
-    def _bind(self, ref: ClaimRef, bdfs: Sequence[Bdf], reset: bool) -> dict[Bdf, DraDevice]:
+    def _bind(
+        self, binder: OnDemandBinder, ref: ClaimRef, plan: BindFirst
+    ) -> dict[Bdf, DraDevice | str]:
         """Bind on-demand devices to VFIO for the claim; their devices as they are then."""
-        if self._binder is None:
-            raise ClaimError(f"{ref}: devices {', '.join(map(str, bdfs))} are not on VFIO")
         latest: dict[Bdf, DraDevice | str] = {}
 
         def ready() -> bool:
-            latest.update(self._judge(bdfs))
+            latest.update(self._host.judge_now(plan.bdfs))
             return all(
                 isinstance(d, DraDevice) and not d.bind_on_demand and not d.nodes_pending
                 for d in latest.values()
             )
 
         try:
-            self._binder.bind(ref.uid, bdfs, reset, ready)
+            binder.bind(ref.uid, plan.bdfs, plan.reset_after_use, ready)
         except (BindingError, HostdevError, OSError) as error:
             raise ClaimError(f"{ref}: {error}") from error
-        return {b: d for b, d in latest.items() if isinstance(d, DraDevice)}
+        return latest
 
-    def _still_bound(self, claim: PreparedClaim) -> bool:
-        """Whether a claim's on-demand devices are still on VFIO (a reboot puts them back on
-        their host drivers while the claim stays prepared)."""
+    def _give_back(self, ref: ClaimRef) -> None:
+        if self._binder is None:
+            return
+        try:
+            self._binder.release(ref.uid)
+        except (BindingError, HostdevError, OSError) as error:
+            log.error(
+                "%s: giving back the devices bound for it failed: %s; the driver gives them"
+                " back at its next start",
+                quote_untrusted(str(ref)),
+                error,
+            )
+
+    def _still_prepared(self, claim: PreparedClaim) -> bool:
+        """Whether a prepared claim's files are all there and its on-demand devices still on
+        VFIO: if not, it is prepared again."""
+        if not all(Path(f).exists() for f in claim.files):
+            return False
         if self._binder is None or not self._binder.holds(claim.uid):
             return True
-        judged = self._judge([d.bdf for d in claim.devices])
-        return all(isinstance(d, DraDevice) and not d.bind_on_demand for d in judged.values())
+        return is_still_on_vfio(self._host.judge_now(d.bdf for d in claim.devices))
 
-    def _write(
-        self, allocation: ClaimAllocation, devices: Sequence[tuple[PreparedDevice, Bdf, int]]
-    ) -> PreparedClaim:
-        ref, driver = allocation.ref, self._driver
-        plain = [d for d, _, _ in devices]
-        metadata_paths: dict[str, str] = {}
-        for request in sorted({d.request for d in plain}):
-            path = self._paths.metadata(ref.uid, request, driver)
-            document = build_metadata(allocation, request, driver, plain)
-            write_file_atomically(path, json.dumps(document, indent=1).encode(), 0o644)
-            metadata_paths[request] = str(path)
-        spec_path = self._paths.spec(driver, ref.uid)
-        spec = build_spec(allocation, driver, plain, metadata_paths)
-        write_file_atomically(spec_path, json.dumps(spec, indent=1).encode(), 0o644)
-        return PreparedClaim(
-            uid=ref.uid,
-            namespace=ref.namespace,
-            name=ref.name,
-            devices=tuple(
-                PreparedRecord(
-                    request=d.request,
-                    pool=d.pool,
-                    device=d.device,
-                    bdf=bdf,
-                    cdi_ids=build_cdi_ids(driver, ref.uid, d),
-                    group=group,
-                )
-                for d, bdf, group in devices
-            ),
-            files=(str(spec_path), *metadata_paths.values()),
-        )
+    def _announce(self, uid: str) -> None:
+        if self._changes is not None:
+            self._changes.put(ClaimsChanged(uid))
 
     def _unprepare_one(self, ref: ClaimRef) -> None:
         _check_ref(ref)
@@ -275,7 +256,7 @@ class ClaimPreparer:
             self._store.forget(ref.uid)
         if known is not None:
             log.info("unprepared %s", quote_untrusted(str(ref)))
-            self._on_change()
+            self._announce(ref.uid)
 
 
 def _check_ref(ref: ClaimRef) -> None:

@@ -27,7 +27,10 @@ class StateError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class PreparedRecord:
+class PreparedDevice:
+    """One device of a prepared claim, as recorded: what was asked (request, pool, device), the
+    function it is, and what the kubelet hands the runtime for it."""
+
     request: str
     pool: str
     device: str
@@ -42,7 +45,7 @@ class PreparedClaim:
     uid: str
     namespace: str
     name: str
-    devices: tuple[PreparedRecord, ...]
+    devices: tuple[PreparedDevice, ...]
     files: tuple[str, ...]
     """Every file written for the claim (CDI spec, metadata), removed on unprepare."""
 
@@ -75,7 +78,7 @@ class PreparedClaim:
             namespace=str(data["namespace"]),
             name=str(data["name"]),
             devices=tuple(
-                PreparedRecord(
+                PreparedDevice(
                     request=str(d["request"]),
                     pool=str(d["pool"]),
                     device=str(d["device"]),
@@ -117,17 +120,6 @@ class ClaimStore:
     def _snapshot(self) -> list[PreparedClaim]:
         with self._lock:
             return list(self._claims.values())
-
-    def holder_of(self, group: int, *, besides: str) -> tuple[PreparedClaim, PreparedRecord] | None:
-        """A claim other than `besides` that has a function of this IOMMU group, if any: a
-        group goes to one VM, whole."""
-        for claim in self._snapshot():
-            if claim.uid == besides:
-                continue
-            for record in claim.devices:
-                if record.group == group:
-                    return claim, record
-        return None
 
     def held(self) -> tuple[frozenset[int], frozenset[Bdf]]:
         """The IOMMU groups and the functions prepared claims have."""

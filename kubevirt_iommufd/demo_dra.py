@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dra.api import ResourceApi
+from dra.cdi import metadata_file_name
 from dra.command import DEFAULT_DRIVER
 from dra.driver import DraDriver, DriverSettings
 from hostdev.bdf import Bdf
@@ -228,7 +229,7 @@ def _step_files(
     host_path = Path(mount["hostPath"])
     metadata = json.loads(host_path.read_text())
     container_path = (
-        f"{METADATA_ROOT}/resourceclaims/{CLAIM}/{REQUEST}/{settings.driver}-metadata.json"
+        f"{METADATA_ROOT}/resourceclaims/{CLAIM}/{REQUEST}/{metadata_file_name(settings.driver)}"
     )
     checks.show(f"metadata file, mounted in the pod at {mount['containerPath']}:")
     checks.show(_pretty(metadata))

@@ -5,22 +5,21 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from dra.api import ApiError
 from dra.binding import OnDemandBinder
 from dra.claims import ClaimRef
-from dra.devices import DraDevice, judge_function
 from dra.driver import DriverSettings
-from dra.prepare import ClaimPreparer, Paths
+from dra.host_cache import HostCache
+from dra.prepare import ClaimPreparer
+from dra.prepare_plan import Paths
 from dra.state import ClaimStore
-from hostdev.bdf import Bdf
 from hostdev.binding.bind import HostAccess
 from hostdev.config import PluginConfig, default_config
 from hostdev.pciids import PciIds
-from hostdev.scan import scan_host
 from sim.kernel import KernelSimulator
 
 DRIVER = "vfio.kubevirt-iommufd.io"
@@ -87,21 +86,14 @@ class Node:
             access, self.state_dir / "bindings", lock_wait=self.lock_wait, nodes_wait=1.0
         )
 
-    def judge(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
-        inventory = scan_host(self.root)
-        return {
-            b: judge_function(f, inventory, self.config, self.names)
-            if (f := inventory.function(b))
-            else "gone from the host"
-            for b in bdfs
-        }
-
     def start(self) -> ClaimPreparer:
         """A fresh preparer over the same directories, as after a restart of the driver."""
         store = ClaimStore(self.state_dir)
         store.load()
+        host = HostCache(self.root, self.config, self.names)
+        host.scan()
         return ClaimPreparer(
-            DRIVER, NODE, self.claims, self.judge, store, self.paths, binder=self.binder()
+            DRIVER, NODE, self.claims, host, store, self.paths, binder=self.binder()
         )
 
 

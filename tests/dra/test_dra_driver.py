@@ -219,3 +219,28 @@ def test_group_companions_of_a_prepared_device_leave_the_slice(
             assert apiserver.wait_until(lambda: len(published(apiserver)) == 8, timeout=5)
         finally:
             driver.stop()
+
+
+def test_building_the_driver_touches_nothing_until_it_starts(
+    scenario_root: ScenarioRoot,
+    api_client: kubernetes.client.ApiClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with short_directory() as base:
+        settings = driver_settings(scenario_root("hgx-h100"), base, 0.2)
+        journal = settings.state_dir / "bindings" / "a1b2c3d4.json"
+        journal.parent.mkdir(parents=True)
+        journal.write_text("{not json")
+        driver = DraDriver(settings, default_config(), PciIds(None), ResourceApi(api_client))
+        assert driver.devices == ()
+        assert sorted(p.name for p in settings.state_dir.iterdir()) == ["bindings"]
+        assert not settings.kubelet_dir.exists()
+        assert "start-up recovery" not in caplog.text
+        driver.start()
+        try:
+            assert f"start-up recovery: unreadable binding journal {journal}" in caplog.text
+            assert len(driver.devices) == 8
+            assert (settings.state_dir / "claims").is_dir()
+            assert settings.kubelet_dir.is_dir()
+        finally:
+            driver.stop()

@@ -15,7 +15,7 @@ import pytest
 from cdi_schema import validate_cdi_spec
 from dra.binding import JournalEntry, Moved
 from dra.devices import build_devices
-from dra.state import PreparedClaim
+from dra.state import ClaimStore, PreparedClaim
 from dra_testkit import REF, Node
 from hostdev.bdf import Bdf
 from hostdev.binding.lock import hold_binding_lock
@@ -31,6 +31,7 @@ from sim.kernel import KernelSimulator, hold
 
 NVIDIA = 0x10DE
 GPU, AUDIO, BRIDGE = "0000:3b:00.0", "0000:3b:00.1", "0000:3a:00.0"
+SECOND_GPU = "0000:5e:00.0"
 GPU_DEVICE = "pci-0000-3b-00-0"
 ON_DEMAND = PluginConfig(
     resources=(
@@ -260,4 +261,52 @@ def test_a_bind_whose_undo_failed_is_not_tried_again_over_its_journal(node: Node
     answer = node.preparer.prepare([REF])[REF.uid]
     assert isinstance(answer, str) and "needs a person" in answer
     assert json.loads(path.read_text()) == journal.to_json()
+    assert drivers(node) == BEFORE
+
+
+@pytest.mark.parametrize("step", ["write", "record"])
+def test_any_error_after_the_bind_gives_the_devices_back(
+    node: Node, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    def bug(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    if step == "write":
+        monkeypatch.setattr("dra.prepare.write_file_atomically", bug)
+    else:
+        monkeypatch.setattr(ClaimStore, "save", bug)
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    with pytest.raises(RuntimeError, match="a bug"):
+        node.preparer.prepare([REF])
+    # Unrecorded, it would be published as free and taken from under the next claim's VM.
+    assert drivers(node) == BEFORE
+    assert not list((node.state_dir / "bindings").glob("*.json"))
+    assert not (node.state_dir / "claims" / f"{REF.uid}.json").exists()
+    monkeypatch.undo()
+    assert isinstance(node.preparer.prepare([REF])[REF.uid], PreparedClaim)
+
+
+def test_a_known_claim_with_another_allocation_keeps_its_first_bind(
+    build_host: BuildHost, tmp_path: Path
+) -> None:
+    second = FunctionSpec(SECOND_GPU, NVIDIA, 0x2204, 0x030000, driver="nvidia", group=20)
+    spec = HostSpec((*desktop_gpu().functions, second))
+    root = build_host(spec)
+    native = {f.bdf: f.driver for f in spec.functions if f.driver is not None}
+    node = Node(root, tmp_path / "node", ON_DEMAND, KernelSimulator(root, native))
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    first = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(first, PreparedClaim)
+    journal = node.state_dir / "bindings" / f"{REF.uid}.json"
+    journaled = journal.read_text()
+    Path(first.files[0]).unlink()
+    node.claims.add(REF, [("gpu", "pci-0000-5e-00-0")])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, str) and "an allocation never changes" in answer
+    assert journal.read_text() == journaled
+    assert node.kernel is not None
+    assert node.kernel.driver(SECOND_GPU) == "nvidia"
+    assert drivers(node)[GPU][0] == "vfio-pci"
+    # Released as the first allocation had it.
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
     assert drivers(node) == BEFORE

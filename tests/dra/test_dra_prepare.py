@@ -230,3 +230,27 @@ def test_an_unreadable_record_stops_the_driver_naming_the_file(node: Node) -> No
     record.write_text("{not json")
     with pytest.raises(StateError, match=f"unreadable prepared-claim record {record}"):
         node.start()
+
+
+def test_a_known_claim_with_another_allocation_is_refused_and_the_first_is_kept(
+    node: Node,
+) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    first = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(first, PreparedClaim)
+    record = node.state_dir / "claims" / f"{REF.uid}.json"
+    recorded = record.read_text()
+    # Its spec lost (a reboot empties /var/run), and the API server now names another device.
+    Path(first.files[0]).unlink()
+    node.claims.add(REF, [("gpu", "pci-0000-2a-00-0")])
+    for preparer in (node.preparer, node.start()):
+        answer = preparer.prepare([REF])[REF.uid]
+        assert isinstance(answer, str)
+        assert str(REF) in answer
+        assert "now allocates it 'pci-0000-2a-00-0' for request 'gpu'" in answer
+        assert "prepared with 'pci-0000-18-00-0' for request 'gpu'" in answer
+        assert record.read_text() == recorded
+        assert not Path(first.files[0]).exists()
+    # The first device stays held: another claim cannot have it.
+    node.claims.add(OTHER, [("gpu", "pci-0000-18-00-0")])
+    assert "already prepared" in str(node.preparer.prepare([OTHER])[OTHER.uid])

@@ -1,0 +1,87 @@
+"""The host as the DRA driver last read it: the inventory, the devices a VM could be given from
+it, and a fresh judgement of named functions for a claim.
+
+The driver's event thread reads the host again on uevents and every re-scan interval; the
+preparer reads the functions a claim names (with their groups) again before deciding, so a
+claim never gets a device on the strength of an old reading. Both hold the same cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from dra.devices import DraDevice, build_devices, judge_function
+from dra.prepare_plan import GONE
+from hostdev.bdf import Bdf
+from hostdev.config import PluginConfig
+from hostdev.model import HostCapabilities, HostInventory
+from hostdev.pciids import PciIds
+from hostdev.scan import refresh_host, scan_host
+
+
+class HostCache:
+    def __init__(self, root: Path, config: PluginConfig, names: PciIds) -> None:
+        self._root = root
+        self._config = config
+        self._names = names
+        self._lock = threading.Lock()
+        self._inventory: HostInventory | None = None
+        """None until the host is first read: nothing is published before that."""
+        self._usable: tuple[DraDevice, ...] = ()
+
+    @property
+    def usable(self) -> tuple[DraDevice, ...]:
+        """Every device a VM could be given, as of the last reading of the host."""
+        with self._lock:
+            return self._usable
+
+    @property
+    def capabilities(self) -> HostCapabilities | None:
+        with self._lock:
+            return None if self._inventory is None else self._inventory.capabilities
+
+    def scan(self, changed: frozenset[Bdf] | None = None) -> None:
+        """Read the `changed` functions (with their groups), or the whole host, again and work
+        out the usable devices anew."""
+        with self._lock:
+            if changed is None or self._inventory is None:
+                self._inventory = scan_host(self._root)
+            else:
+                self._inventory = refresh_host(
+                    self._root, self._inventory, _with_groups(self._inventory, changed)
+                )
+            self._usable = build_devices(self._inventory, self._config, self._names)
+
+    def judge_now(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
+        """Read the named functions (and their groups) again and judge each as a published
+        device, or say why it is not one. The usable devices are left as they were: the next
+        scan publishes what changed."""
+        wanted = set(bdfs)
+        with self._lock:
+            if self._inventory is None:
+                inventory = scan_host(self._root)
+            else:
+                inventory = refresh_host(
+                    self._root, self._inventory, _with_groups(self._inventory, wanted)
+                )
+            self._inventory = inventory
+        return {
+            bdf: GONE
+            if (function := inventory.function(bdf)) is None
+            else judge_function(function, inventory, self._config, self._names)
+            for bdf in wanted
+        }
+
+
+def _with_groups(inventory: HostInventory, bdfs: Iterable[Bdf]) -> set[Bdf]:
+    """The functions and every member of their IOMMU groups: one member bound elsewhere makes
+    the whole group not viable."""
+    wanted = set(bdfs)
+    for bdf in list(wanted):
+        function = inventory.function(bdf)
+        group = inventory.group_of(function) if function else None
+        if group is not None:
+            wanted |= {m.bdf for m in group.members if m.bdf is not None}
+    return wanted

@@ -1,0 +1,236 @@
+"""NodePrepare's decision for one claim. Pure: the parsed allocation, the devices as the host
+has them now, and what other claims hold in; a refusal, or what to do, out.
+
+What to do comes in two kinds: devices on their host drivers are bound to VFIO first (then the
+claim is planned again with the devices as the bind left them), and devices on VFIO get their
+files (CDI spec, metadata per request) and the claim's record. Every refusal names the claim,
+the device and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dra.cdi import (
+    build_cdi_ids,
+    build_metadata,
+    build_spec,
+    metadata_file_name,
+    spec_file_name,
+)
+from dra.claims import Allocated, ClaimAllocation, ClaimRef
+from dra.devices import DraDevice, bdf_of_device
+from dra.state import PreparedClaim, PreparedDevice
+from hostdev.bdf import Bdf
+from hostdev.untrusted import quote_untrusted
+
+GONE = "gone from the host"
+"""Why a function the host no longer has cannot be given to a VM."""
+
+
+@dataclass(frozen=True, slots=True)
+class Paths:
+    """Where a claim's files go; every name the driver writes is made here."""
+
+    cdi_dir: Path
+    metadata_dir: Path
+
+    def spec(self, driver: str, uid: str) -> Path:
+        return self.cdi_dir / spec_file_name(driver, uid)
+
+    def metadata_root(self, uid: str) -> Path:
+        return self.metadata_dir / uid
+
+    def metadata(self, uid: str, request: str, driver: str) -> Path:
+        return self.metadata_root(uid) / request / metadata_file_name(driver)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class BindFirst:
+    """Bind these functions (with their groups) to VFIO for the claim, then plan again."""
+
+    bdfs: tuple[Bdf, ...]
+    reset_after_use: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FileToWrite:
+    path: Path
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class WritePlan:
+    files: tuple[FileToWrite, ...]
+    """The metadata files, then the CDI spec that mounts them."""
+    claim: PreparedClaim
+    """The record to keep once the files are written."""
+
+
+def bdfs_named(allocation: ClaimAllocation) -> frozenset[Bdf]:
+    """The functions the allocation names, to be read again before planning."""
+    return frozenset(
+        bdf for item in allocation.devices if (bdf := bdf_of_device(item.device)) is not None
+    )
+
+
+def is_still_on_vfio(judged: Mapping[Bdf, DraDevice | str]) -> bool:
+    """Whether a prepared claim's devices are all still on VFIO (a reboot puts on-demand ones
+    back on their host drivers while the claim stays prepared)."""
+    return all(isinstance(d, DraDevice) and not d.bind_on_demand for d in judged.values())
+
+
+def same_allocation(recorded: PreparedClaim, allocation: ClaimAllocation) -> bool:
+    return sorted((d.request, d.pool, d.device) for d in recorded.devices) == sorted(
+        (d.request, d.pool, d.device) for d in allocation.devices
+    )
+
+
+def plan_prepare(
+    allocation: ClaimAllocation,
+    recorded: PreparedClaim | None,
+    judged: Mapping[Bdf, DraDevice | str],
+    others: Iterable[PreparedClaim],
+    *,
+    driver: str,
+    paths: Paths,
+    can_bind: bool,
+) -> Refusal | BindFirst | WritePlan:
+    """What to do for `allocation`, given this claim's own record (when it was prepared
+    before), its devices as judged now (by address; missing ones are gone) and the other
+    prepared claims; `can_bind` says whether devices on their host drivers may be bound on
+    demand."""
+    ref = allocation.ref
+    if recorded is not None and not same_allocation(recorded, allocation):
+        # Preparing over it would lose the record, and the bind journal, of the devices the
+        # claim has: they would be published as free while its VM may have them.
+        return Refusal(
+            f"{ref}: the API server now allocates it {_listed(allocation.devices)}, but it was"
+            f" prepared with {_listed(recorded.devices)}; an allocation never changes, so the"
+            " first preparation is kept; delete the pod so that the kubelet unprepares the"
+            " claim, then it is prepared anew"
+        )
+    held = _held_groups(others)
+    devices: dict[str, DraDevice] = {}
+    for item in allocation.devices:
+        device = _device_for(ref, item, judged, held)
+        if isinstance(device, Refusal):
+            return device
+        devices[item.device] = device
+    to_bind = sorted({d.bdf for d in devices.values() if d.bind_on_demand})
+    if to_bind:
+        if not can_bind:
+            return Refusal(f"{ref}: devices {', '.join(map(str, to_bind))} are not on VFIO")
+        return BindFirst(
+            tuple(to_bind),
+            any(d.reset_after_use for d in devices.values() if d.bind_on_demand),
+        )
+    return _write_plan(allocation, devices, driver, paths)
+
+
+def _device_for(
+    ref: ClaimRef,
+    item: Allocated,
+    judged: Mapping[Bdf, DraDevice | str],
+    held: Mapping[int, _Holder],
+) -> DraDevice | Refusal:
+    bdf = bdf_of_device(item.device)
+    if bdf is None:
+        return Refusal(
+            f"{ref}: device {quote_untrusted(item.device)} is not a name this driver"
+            " publishes; the allocation is from another driver's slice"
+        )
+    device = judged.get(bdf, GONE)
+    if isinstance(device, str):
+        return Refusal(
+            f"{ref}: device {item.device} ({bdf}) cannot be given to a VM: {device};"
+            " fix the device (inspect shows why) and recreate the pod"
+        )
+    holder = held.get(device.group)
+    if holder is not None:
+        return Refusal(_taken(ref, item.device, bdf, holder))
+    return device
+
+
+def _write_plan(
+    allocation: ClaimAllocation, devices: Mapping[str, DraDevice], driver: str, paths: Paths
+) -> WritePlan:
+    ref = allocation.ref
+    files: list[FileToWrite] = []
+    metadata_paths: dict[str, str] = {}
+    for request in sorted({d.request for d in allocation.devices}):
+        path = paths.metadata(ref.uid, request, driver)
+        files.append(FileToWrite(path, _json(build_metadata(allocation, request, driver, devices))))
+        metadata_paths[request] = str(path)
+    spec_path = paths.spec(driver, ref.uid)
+    files.append(
+        FileToWrite(spec_path, _json(build_spec(allocation, driver, devices, metadata_paths)))
+    )
+    return WritePlan(
+        files=tuple(files),
+        claim=PreparedClaim(
+            uid=ref.uid,
+            namespace=ref.namespace,
+            name=ref.name,
+            devices=tuple(
+                PreparedDevice(
+                    request=item.request,
+                    pool=item.pool,
+                    device=item.device,
+                    bdf=devices[item.device].bdf,
+                    cdi_ids=build_cdi_ids(driver, ref.uid, item),
+                    group=devices[item.device].group,
+                )
+                for item in allocation.devices
+            ),
+            files=(str(spec_path), *metadata_paths.values()),
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Holder:
+    claim: PreparedClaim
+    device: PreparedDevice
+
+
+def _held_groups(others: Iterable[PreparedClaim]) -> dict[int, _Holder]:
+    """Each IOMMU group other claims have, with one claim and device holding it: a group goes
+    to one VM, whole."""
+    held: dict[int, _Holder] = {}
+    for claim in others:
+        for device in claim.devices:
+            held.setdefault(device.group, _Holder(claim, device))
+    return held
+
+
+def _taken(ref: ClaimRef, name: str, bdf: Bdf, holder: _Holder) -> str:
+    claim, record = holder.claim, holder.device
+    what = (
+        "is already prepared"
+        if record.bdf == bdf
+        else f"shares IOMMU group {record.group} with {record.device} ({record.bdf}), prepared"
+    )
+    return (
+        f"{ref}: device {name} ({bdf}) {what} for claim {claim.namespace}/{claim.name}"
+        f" (uid {claim.uid}); it is freed when that claim's pod is gone"
+    )
+
+
+def _listed(devices: Iterable[Allocated | PreparedDevice]) -> str:
+    return ", ".join(
+        f"{quote_untrusted(d.device)} for request {quote_untrusted(d.request)}" for d in devices
+    )
+
+
+def _json(document: Any) -> bytes:
+    return json.dumps(document, indent=1).encode()
