@@ -68,8 +68,7 @@ def refusal(problem: Unintelligible) -> Refused:
     """Why a VMI requiring iommufd is refused when a field it holds cannot be read."""
     return Refused(
         f"{MODE_ANNOTATION}={REQUIRE}, but {problem}, so the webhook cannot keep the VMI on a"
-        f" node with {IOMMUFD_LABEL}=true; correct that field (the VirtualMachineInstance API"
-        " refuses it too) and create the VMI again"
+        f" node with {IOMMUFD_LABEL}=true; correct that field and create the VMI again"
     )
 
 
