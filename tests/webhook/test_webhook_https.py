@@ -312,7 +312,7 @@ def test_a_hostile_one_mebibyte_vmi_gets_a_short_refusal_and_pods_carry_on(
     review = admission_review(vmi, kind="VirtualMachineInstance")
     envelope = len(json.dumps(review))
     count = (MAX_BODY - envelope - 200) // len("{},")  # about 340,000 empty terms
-    required = {"nodeSelectorTerms": [{}] * count}
+    required: dict[str, list[dict[str, object]]] = {"nodeSelectorTerms": [{}] * count}
     vmi["spec"]["affinity"] = {"nodeAffinity": {REQUIRED: required}}
     body = json.dumps(review, separators=(",", ":")).encode()
     assert MAX_BODY - 1000 < len(body) <= MAX_BODY
