@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from bench.webhook import ROOT, Target, _connect, _start_server
+from bench.webhook import ROOT, Target, _connect, _start_server, format_table
 from bench.webhook_idle import _recv, _review, _rss_mib, _status_mib
 
 VMI = ROOT / "tests" / "webhook" / "data" / "vmi-gpu.yaml"
@@ -278,14 +278,7 @@ def _table(phases: list[Phase]) -> str:
                 f"{p.rss_peak:.1f} MiB",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    )
+    return format_table(rows)
 
 
 if __name__ == "__main__":
