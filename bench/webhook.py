@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -324,6 +324,11 @@ def _table(results: list[Result]) -> str:
                 f"{r.server_cpu:.0%}",
             )
         )
+    return format_table(rows)
+
+
+def format_table(rows: Sequence[tuple[str, ...]]) -> str:
+    """Rows of cells as aligned columns: the first left-aligned, the others right."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(

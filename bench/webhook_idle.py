@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.webhook import Target, _connect, _cpu_seconds, _start_server
+from bench.webhook import Target, _connect, _cpu_seconds, _start_server, format_table
 
 IDLE = 2_000
 DIAL_RATE = 200  # new connections a second: the first 2,000 in 10 s, then re-dials
@@ -156,14 +156,7 @@ def _table(phases: list[Phase]) -> str:
                 f"{p.cpu:.0%}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    )
+    return format_table(rows)
 
 
 def _attack(

@@ -2,7 +2,9 @@
 
 An API server only ever sends well-typed objects, so a shape we cannot read means a bug or a
 misconfiguration somewhere; the readers raise `Unintelligible` naming the field, and the review
-decides whether that warns (default) or denies (`strict`).
+decides whether that warns (default) or denies (`strict`). A planner raises `Refused` instead
+where letting the object through unchanged would break a promise (a VMI requiring iommufd
+admitted without its node affinity) or where the object is over a limit: that is always denied.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ NAME_LIMIT = 100
 
 class Unintelligible(ValueError):
     """An object whose shape we cannot make sense of; the message names the field."""
+
+
+class Refused(ValueError):
+    """An object to deny whatever the config says; the message names the field or the limit,
+    and what to do."""
 
 
 @dataclass(frozen=True, slots=True)

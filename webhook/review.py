@@ -2,7 +2,8 @@
 
 A body that is not an AdmissionReview we can answer (no `request.uid`) raises `BadReview`, which
 the server turns into HTTP 400. Anything past that gets an answer: a pod we cannot read is let
-through with a warning, because a bug of ours must not block VMs, unless the config is `strict`.
+through with a warning, because a bug of ours must not block VMs, unless the config is `strict`;
+an object a planner refuses (`Refused`) and an answer over `MAX_PATCH_BYTES` are denied.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from typing import Any
 
 from hostdev.untrusted import quote_untrusted
 from webhook.config import Config
-from webhook.plan import Plan, Unintelligible
+from webhook.plan import Plan, Refused, Unintelligible
 from webhook.pod import plan_pod
 from webhook.vmi import plan_vmi
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
 WARNING_PREFIX = "kubevirt-iommufd: "
+# As much as the largest review we read (webhook.http_protocol.MAX_BODY): more can only be
+# amplification, and a patch this big would take the object past what etcd stores (1.5 MiB).
+MAX_PATCH_BYTES = 1024 * 1024
 
 Planner = Callable[[object, str, Config], Plan]
 
@@ -86,24 +90,36 @@ def review(body: object, config: Config, endpoint: Endpoint) -> Verdict:
     response: dict[str, Any] = {"uid": uid, "allowed": True}
     try:
         plan = _plan(request, namespace, config, endpoint)
+    except Refused as refused:
+        return _denied(envelope, response, str(refused), subject)
     except Unintelligible as problem:
         reason = f"cannot read the {endpoint.noun}: {problem}"
         if config.strict:
-            response["allowed"] = False
-            response["status"] = {"code": 400, "message": f"{WARNING_PREFIX}{reason}"}
-            outcome = "denied"
-        else:
-            response["warnings"] = [f"{WARNING_PREFIX}{reason}; left unchanged"]
-            outcome = "warned"
-        return Verdict({**envelope, "response": response}, outcome, reason, uid, subject)
+            return _denied(envelope, response, reason, subject)
+        response["warnings"] = [f"{WARNING_PREFIX}{reason}; left unchanged"]
+        return Verdict({**envelope, "response": response}, "warned", reason, uid, subject)
     if plan.operations:
         patch = json.dumps(plan.operations, separators=(",", ":")).encode()
+        if len(patch) > MAX_PATCH_BYTES:
+            reason = (
+                f"the patch for this {endpoint.noun} would be {len(patch)} bytes, over the"
+                f" webhook's limit of {MAX_PATCH_BYTES}; {plan.reason}"
+            )
+            return _denied(envelope, response, reason, subject)
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(patch).decode("ascii")
     if plan.warnings:
         response["warnings"] = [f"{WARNING_PREFIX}{warning}" for warning in plan.warnings]
     outcome = "patched" if plan.operations else "warned" if plan.warnings else "unchanged"
     return Verdict({**envelope, "response": response}, outcome, plan.reason, uid, subject)
+
+
+def _denied(
+    envelope: dict[str, Any], response: dict[str, Any], reason: str, subject: str
+) -> Verdict:
+    response["allowed"] = False
+    response["status"] = {"code": 400, "message": f"{WARNING_PREFIX}{reason}"}
+    return Verdict({**envelope, "response": response}, "denied", reason, response["uid"], subject)
 
 
 def _plan(request: dict[str, Any], namespace: str, config: Config, endpoint: Endpoint) -> Plan:

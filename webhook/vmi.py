@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from webhook.affinity import plan_iommufd_affinity
+from webhook.affinity import plan_iommufd_affinity, refusal, requires_iommufd
 from webhook.config import Config, HookSidecar
 from webhook.plan import (
     Operation,
@@ -34,11 +34,27 @@ def plan_vmi(vmi: object, namespace: str, config: Config) -> Plan:
     metadata = vmi.get("metadata")
     if not isinstance(metadata, dict):
         raise Unintelligible("metadata is not an object")
+    annotations = mapping(metadata.get("annotations"), "metadata.annotations")
+    if not requires_iommufd(annotations):
+        return _plan(vmi, metadata, annotations, namespace, config)
+    try:
+        return _plan(vmi, metadata, annotations, namespace, config)
+    except Unintelligible as problem:
+        # Warned and let through, the VMI would run without the affinity it relies on.
+        raise refusal(problem) from problem
+
+
+def _plan(
+    vmi: dict[str, Any],
+    metadata: dict[str, Any],
+    annotations: dict[str, Any],
+    namespace: str,
+    config: Config,
+) -> Plan:
     labels = mapping(metadata.get("labels"), "metadata.labels")
     skipped = config.skips(namespace, labels)
     if skipped:
         return Plan((), skipped)
-    annotations = mapping(metadata.get("annotations"), "metadata.annotations")
     sidecar = _plan_sidecar(vmi, metadata, annotations, config)
     affinity = plan_iommufd_affinity(vmi, annotations)
     if affinity is None:

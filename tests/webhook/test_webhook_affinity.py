@@ -4,12 +4,13 @@ ANDed into what its owner wrote; patches applied with jsonpatch, as the API serv
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
 
 from launcher_hook.model import ANNOTATION_MODE
-from webhook.affinity import MODE_ANNOTATION
+from webhook.affinity import MAX_EXPRESSIONS, MAX_TERMS, MODE_ANNOTATION
 from webhook.config import Config, HookSidecar
 from webhook.review import review_vmi
 from webhook_kit import admission_review, apply_patch, decode_patch, load
@@ -76,7 +77,7 @@ def test_requirement_is_anded_into_every_existing_term() -> None:
     assert required_terms(patched) == [
         {"matchExpressions": [ZONE, OURS]},
         {"matchFields": [fields], "matchExpressions": [OURS]},
-        {"matchExpressions": [OURS]},
+        {"matchExpressions": []},
     ]
     node_affinity = patched["spec"]["affinity"]["nodeAffinity"]
     assert node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] == preferred
@@ -265,14 +266,168 @@ def test_a_dra_host_device_is_not_mistaken_for_an_unreadable_one() -> None:
     assert required_terms(apply_patch(vmi, answer.review)) == [{"matchExpressions": [OURS]}]
 
 
-def test_an_unreadable_term_warns_and_changes_nothing() -> None:
-    required = {"nodeSelectorTerms": ["not an object"]}
+@pytest.mark.parametrize(
+    "empty", [{}, {"matchExpressions": []}, {"matchFields": [], "matchExpressions": None}]
+)
+def test_an_empty_term_selects_no_node_and_stays_empty(empty: Json) -> None:
+    # Kubernetes skips an empty term; with the requirement in it, it would admit any iommufd node
+    # in any zone, where the owner's other term keeps the VMI to one.
+    terms = [{"matchExpressions": [ZONE]}, copy.deepcopy(empty)]
+    required = {"nodeSelectorTerms": terms}
     vmi = requiring(
         affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
     )
 
+    assert required_terms(apply_patch(vmi, review(vmi))) == [
+        {"matchExpressions": [ZONE, OURS]},
+        empty,
+    ]
+
+
+REQUIRED_AT = "spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+TERMS_AT = f"{REQUIRED_AT}.nodeSelectorTerms"
+
+
+def with_terms(*terms: object) -> Json:
+    required = {"nodeSelectorTerms": list(terms)}
+    return requiring(
+        affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
+    )
+
+
+def with_labels(labels: object) -> Json:
+    vmi = requiring()
+    vmi["metadata"]["labels"] = labels
+    return vmi
+
+
+@pytest.mark.parametrize(
+    ("vmi", "field"),
+    [
+        pytest.param(with_terms(None), f"{TERMS_AT}[0] is null", id="null-term"),
+        pytest.param(
+            with_terms({"matchExpressions": [ZONE]}, "a term"),
+            f"{TERMS_AT}[1] is not an object",
+            id="string-term",
+        ),
+        pytest.param(
+            with_terms({"matchExpressions": {"key": LABEL}}),
+            f"{TERMS_AT}[0].matchExpressions is not a list",
+            id="expressions-object",
+        ),
+        pytest.param(
+            with_terms({"matchExpressions": [ZONE], "matchFields": "metadata.name"}),
+            f"{TERMS_AT}[0].matchFields is not a list",
+            id="fields-string",
+        ),
+        pytest.param(
+            with_terms({"matchExpressions": [ZONE, 7]}),
+            f"{TERMS_AT}[0].matchExpressions[1] is not an object",
+            id="expression-number",
+        ),
+        pytest.param(
+            with_terms({"matchExpressions": [{"key": LABEL, "operator": "In", "values": "true"}]}),
+            f"{TERMS_AT}[0].matchExpressions[0].values is not a list",
+            id="values-string",
+        ),
+        pytest.param(
+            with_terms({"matchExpressions": [{"key": LABEL, "operator": "In", "values": [True]}]}),
+            f"{TERMS_AT}[0].matchExpressions[0].values is not a list of strings",
+            id="values-bool",
+        ),
+        pytest.param(
+            requiring(
+                affinity={
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": {}}
+                    }
+                }
+            ),
+            f"{TERMS_AT} is not a list",
+            id="terms-object",
+        ),
+        pytest.param(
+            requiring(
+                affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}}
+            ),
+            f"{REQUIRED_AT} is not an object",
+            id="required-list",
+        ),
+        pytest.param(requiring(affinity=[]), "spec.affinity is not an object", id="affinity-list"),
+        pytest.param(
+            requiring(nodeSelector={LABEL: True}),
+            f"spec.nodeSelector[{LABEL}] is not a string",
+            id="selector-bool",
+        ),
+        pytest.param(requiring(nodeSelector="gpu"), "spec.nodeSelector is not", id="selector"),
+        pytest.param(with_labels(["a"]), "metadata.labels is not an object", id="labels-list"),
+    ],
+)
+@pytest.mark.parametrize("config", [DEFAULT, Config(strict=True)], ids=["default", "strict"])
+def test_an_unreadable_field_of_a_requiring_vmi_is_refused(
+    vmi: Json, field: str, config: Config
+) -> None:
+    # Let through with a warning, the VMI would run without the affinity it requires.
+    answer = review_vmi(admission_review(vmi, kind="VirtualMachineInstance"), config)
+
+    response = answer.review["response"]
+    assert (answer.outcome, response["allowed"]) == ("denied", False)
+    message = response["status"]["message"]
+    assert message.startswith("kubevirt-iommufd: iommufd.kubevirt.io/mode=require, but ")
+    assert field in message
+    assert "correct that field" in message
+    assert "patch" not in response
+
+
+def test_a_vmi_not_requiring_iommufd_is_not_refused_for_its_affinity() -> None:
+    vmi = with_terms(None)
+    del vmi["metadata"]["annotations"][MODE_ANNOTATION]
+
     answer = review_vmi(admission_review(vmi, kind="VirtualMachineInstance"), DEFAULT)
 
-    assert answer.outcome == "warned"
-    assert "nodeSelectorTerms[0] is not an object" in answer.review["response"]["warnings"][0]
-    assert decode_patch(answer.review) == []
+    assert answer.outcome == "unchanged"
+
+
+@pytest.mark.parametrize(
+    ("terms", "count"),
+    [
+        pytest.param([{}] * 250_000, 250_000, id="250k-empty"),
+        pytest.param(
+            [{"matchExpressions": [ZONE]}] * (MAX_TERMS + 1), MAX_TERMS + 1, id="one-over"
+        ),
+    ],
+)
+def test_more_terms_than_the_limit_are_refused_not_amplified(terms: list[Json], count: int) -> None:
+    answer = review_vmi(
+        admission_review(with_terms(*terms), kind="VirtualMachineInstance"), DEFAULT
+    )
+
+    response = answer.review["response"]
+    assert (answer.outcome, response["allowed"]) == ("denied", False)
+    message = response["status"]["message"]
+    assert f"{TERMS_AT} has {count} terms, over the webhook's limit of {MAX_TERMS}" in message
+    assert len(json.dumps(answer.review)) < 2_000
+
+
+def test_as_many_terms_as_the_limit_are_patched() -> None:
+    vmi = with_terms(*[{"matchExpressions": [ZONE]} for _ in range(MAX_TERMS)])
+
+    answer = review(vmi)
+
+    assert (
+        required_terms(apply_patch(vmi, answer)) == [{"matchExpressions": [ZONE, OURS]}] * MAX_TERMS
+    )
+
+
+def test_more_expressions_than_the_limit_are_refused() -> None:
+    per_term = MAX_EXPRESSIONS // 10 + 1
+    vmi = with_terms(*[{"matchExpressions": [ZONE] * per_term}] * 10)
+
+    answer = review_vmi(admission_review(vmi, kind="VirtualMachineInstance"), DEFAULT)
+
+    response = answer.review["response"]
+    assert (answer.outcome, response["allowed"]) == ("denied", False)
+    assert (
+        f"hold {per_term * 10} matchExpressions in all, over the webhook's limit of"
+        f" {MAX_EXPRESSIONS}" in response["status"]["message"]
+    )

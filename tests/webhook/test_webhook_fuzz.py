@@ -4,7 +4,9 @@ Damage is done where it hurts: a realistic review has one or more of its fields 
 tree) replaced by arbitrary JSON or deleted, so the planners' every reader gets exercised. Through
 the real HTTPS server, well-formed but varied launcher pods (hostile names, odd uids, resources in
 limits, requests or both, compute anywhere) must come back with their uid and a patch that
-applies. Every suite is seeded (`derandomize`) and bounded, so a run is the same run every time.
+applies. VMIs requiring iommufd, with varied affinity damaged the same way, must get a refusal
+or a patch that keeps them on iommufd nodes: anything else would admit them without it. Every
+suite is seeded (`derandomize`) and bounded, so a run is the same run every time.
 """
 
 from __future__ import annotations
@@ -299,3 +301,181 @@ def test_garbage_http_is_refused_and_the_server_carries_on(
     fresh = https(server, tls)
     assert post(fresh, "/mutate-pod", json.dumps(REVIEWS[0]).encode())[0] == 200
     fresh.close()
+
+
+LABEL = "kubevirt-iommufd.io/iommufd"
+MODE = "iommufd.kubevirt.io/mode"
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+ON_LABEL = [
+    {"key": LABEL, "operator": "In", "values": ["true"]},
+    {"key": LABEL, "operator": "In", "values": ["true", "false"]},
+    {"key": LABEL, "operator": "In", "values": ["false"]},
+    {"key": LABEL, "operator": "NotIn", "values": ["true"]},
+    {"key": LABEL, "operator": "NotIn", "values": ["false"]},
+    {"key": LABEL, "operator": "Exists"},
+    {"key": LABEL, "operator": "DoesNotExist"},
+]
+OTHERS = [
+    {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a", "b"]},
+    {"key": "nvidia.com/gpu.present", "operator": "Exists"},
+]
+expressions = st.sampled_from(ON_LABEL + OTHERS)
+terms = st.fixed_dictionaries(
+    {},
+    optional={
+        "matchExpressions": st.lists(expressions, max_size=3),
+        "matchFields": st.just([{"key": "metadata.name", "operator": "In", "values": ["n1"]}]),
+    },
+)
+node_affinities = st.fixed_dictionaries(
+    {},
+    optional={
+        REQUIRED: st.fixed_dictionaries(
+            {}, optional={"nodeSelectorTerms": st.lists(terms, max_size=4)}
+        ),
+        "preferredDuringSchedulingIgnoredDuringExecution": st.just(
+            [{"weight": 5, "preference": {"matchExpressions": OTHERS[:1]}}]
+        ),
+    },
+)
+# Where the VMI planner reads: damage elsewhere is the generic suite's.
+READ = (("spec", "affinity"), ("spec", "nodeSelector"), ("metadata", "annotations"))
+
+
+@st.composite
+def damaged_requiring_vmis(draw: st.DrawFn) -> Json:
+    """A VMI annotated `require` with varied affinity, then damaged where the planner reads."""
+    vmi = load(draw(st.sampled_from(["vmi-gpu.yaml", "vmi-hostdevice-with-sidecar.yaml"])))
+    vmi["metadata"]["annotations"][MODE] = "require"
+    if draw(st.booleans()):
+        vmi["spec"]["affinity"] = {"nodeAffinity": draw(node_affinities)}
+    if draw(st.booleans()):
+        keys = st.sampled_from([LABEL, "pool"])
+        vmi["spec"]["nodeSelector"] = draw(
+            st.dictionaries(keys, st.sampled_from(["true", "false"]))
+        )
+    vmi = copy.deepcopy(vmi)  # the expressions drawn are the tables' own dicts
+    for _ in range(draw(st.integers(0, 3))):
+        candidates = [p for p in paths(vmi) if p[:2] in READ or p in (("spec",), ("metadata",))]
+        path = draw(st.sampled_from(candidates))
+        parent: Any = vmi
+        for step in path[:-1]:
+            parent = parent[step]
+        target = parent[path[-1]]
+        action = draw(st.sampled_from(["replace", "delete", "insert"]))
+        if action == "insert" and isinstance(target, list):
+            target.insert(draw(st.integers(0, len(target))), draw(json_values))
+        elif action == "delete" and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = draw(json_values)
+    return admission_review(vmi, kind="VirtualMachineInstance")
+
+
+def check_requiring_answer(vmi: Any, response: Json) -> None:
+    """A VMI that requires iommufd is refused, or kept on iommufd nodes by its patch."""
+    metadata = vmi.get("metadata") if isinstance(vmi, dict) else None
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    if not isinstance(annotations, dict) or annotations.get(MODE) != "require":
+        return
+    if not response["allowed"]:
+        message = response["status"]["message"]
+        assert message.isprintable()
+        assert any(field in message for field in ("spec", "metadata", "annotation")), message
+        return
+    operations = json.loads(base64.b64decode(response.get("patch", "W10=")))
+    patched = jsonpatch.JsonPatch(operations).apply(copy.deepcopy(vmi))
+    if pinned_elsewhere(vmi):
+        assert any("left unchanged" in w for w in response.get("warnings", [])), response
+        return
+    assert keeps_to_iommufd_nodes(patched), (vmi.get("spec"), response)
+    for before, after in zip(required_terms(vmi), required_terms(patched), strict=False):
+        if isinstance(before, dict) and not is_empty(before):
+            kept = after.get("matchExpressions", [])[: len(before.get("matchExpressions") or [])]
+            assert kept == (before.get("matchExpressions") or [])
+        else:
+            assert after == before  # an empty term selects no node: it must stay that way
+
+
+def required_terms(vmi: Json) -> list[Any]:
+    node: Any = vmi.get("spec")
+    for key in ("affinity", "nodeAffinity", REQUIRED, "nodeSelectorTerms"):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, list) else []
+
+
+def is_empty(term: Json) -> bool:
+    return not term.get("matchExpressions") and not term.get("matchFields")
+
+
+def keeps_to_iommufd_nodes(vmi: Json) -> bool:
+    spec = vmi.get("spec")
+    selector = spec.get("nodeSelector") if isinstance(spec, dict) else None
+    if isinstance(selector, dict) and selector.get(LABEL) == "true":
+        return True
+    terms = required_terms(vmi)
+    return bool(terms) and all(
+        isinstance(term, dict) and (is_empty(term) or any(map(requires_true, expressions_of(term))))
+        for term in terms
+    )
+
+
+def pinned_elsewhere(vmi: Json) -> bool:
+    """The owner asked for nodes without iommufd: that is theirs to say, and they are warned."""
+    spec = vmi.get("spec")
+    selector = spec.get("nodeSelector") if isinstance(spec, dict) else None
+    if isinstance(selector, dict) and isinstance(selector.get(LABEL), str):
+        return bool(selector[LABEL] != "true")
+    return any(excludes_true(e) for term in required_terms(vmi) for e in expressions_of(term))
+
+
+def expressions_of(term: object) -> list[Json]:
+    found = term.get("matchExpressions") if isinstance(term, dict) else None
+    return [e for e in found if isinstance(e, dict)] if isinstance(found, list) else []
+
+
+def requires_true(expression: Json) -> bool:
+    return expression.get("key") == LABEL and (
+        expression.get("operator"),
+        expression.get("values"),
+    ) == ("In", ["true"])
+
+
+def excludes_true(expression: Json) -> bool:
+    """Kubernetes' meaning of a well-formed expression on the label, against the value true."""
+    operator, values = expression.get("operator"), expression.get("values") or []
+    if expression.get("key") != LABEL or not isinstance(values, list):
+        return False
+    return (
+        (operator == "In" and "true" not in values)
+        or (operator == "NotIn" and "true" in values)
+        or operator in ("DoesNotExist", "Gt", "Lt")
+    )
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(review=damaged_requiring_vmis(), config=st.sampled_from(CONFIGS))
+def test_requiring_vmis_get_a_refusal_or_their_affinity(review: Json, config: Config) -> None:
+    verdict = review_vmi(review, config)
+
+    check_verdict(review, verdict)
+    check_requiring_answer(review["request"]["object"], verdict.review["response"])
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(review=damaged_requiring_vmis())
+def test_over_https_requiring_vmis_get_a_refusal_or_their_affinity(
+    conn: http.client.HTTPSConnection, review: Json
+) -> None:
+    status, text, _ = post(conn, "/mutate-vmi", json.dumps(review).encode())
+
+    assert status == 200, text
+    answer = json.loads(text)
+    check_verdict_json(review, answer)
+    check_requiring_answer(review["request"]["object"], answer["response"])

@@ -38,6 +38,7 @@ from webhook_kit import (
     running_server,
 )
 
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
 # Manifest → whether the webhook must change it.
 POD_MANIFESTS = {
     "pod-gpu.yaml": True,
@@ -301,3 +302,30 @@ def test_what_the_request_names_is_logged_on_one_short_line(
     assert len(message) < 1_000
     assert "patched" in message
     assert message.count("INFO webhook.routes") == 4  # all four, quoted inside the one line
+
+
+def test_a_hostile_one_mebibyte_vmi_gets_a_short_refusal_and_pods_carry_on(
+    server: RunningServer, tls: Tls
+) -> None:
+    vmi = load("vmi-gpu.yaml")
+    vmi["metadata"]["annotations"]["iommufd.kubevirt.io/mode"] = "require"
+    review = admission_review(vmi, kind="VirtualMachineInstance")
+    envelope = len(json.dumps(review))
+    count = (MAX_BODY - envelope - 200) // len("{},")  # about 340,000 empty terms
+    required: dict[str, list[dict[str, object]]] = {"nodeSelectorTerms": [{}] * count}
+    vmi["spec"]["affinity"] = {"nodeAffinity": {REQUIRED: required}}
+    body = json.dumps(review, separators=(",", ":")).encode()
+    assert MAX_BODY - 1000 < len(body) <= MAX_BODY
+    hostile, launcher = https(server, tls), https(server, tls)
+
+    status, text, _ = post(hostile, "/mutate-vmi", body)
+
+    assert status == 200
+    assert len(text) < 2_000  # no amplification: it once was a 73 MB patch
+    response = json.loads(text)["response"]
+    assert response["allowed"] is False
+    assert f"has {count} terms, over the webhook's limit of" in response["status"]["message"]
+    pod = admit(launcher, "/mutate-pod", admission_review(load("pod-gpu.yaml")))
+    assert "patch" in pod["response"]
+    hostile.close()
+    launcher.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from types import MappingProxyType
 from typing import Any
 
@@ -12,7 +13,8 @@ import pytest
 
 from webhook.config import Config, HookSidecar
 from webhook.plan import pointer
-from webhook.review import BadReview, review_pod, review_vmi
+from webhook.review import MAX_PATCH_BYTES, BadReview, review_pod, review_vmi
+from webhook.vmi import HOOK_SIDECARS
 from webhook_kit import (
     IOMMUFD,
     Json,
@@ -503,3 +505,25 @@ def test_an_operation_other_than_create_is_shown_quoted(operation: object) -> No
     assert answer.outcome == "unchanged"
     assert answer.reason.isprintable()
     assert "is not CREATE" in answer.reason
+
+
+def test_a_patch_over_the_limit_is_refused_not_sent() -> None:
+    # Each emoji of an existing sidecar entry is re-encoded as two escaped surrogates: 4 bytes
+    # in, 14 out, so a 320 KB annotation would come back as a patch of over 1 MiB.
+    entry = {"image": "registry.example/other-hook:v1", "args": ["\U0001f600" * 80_000]}
+    vmi = load("vmi-gpu.yaml")
+    vmi["metadata"]["annotations"][HOOK_SIDECARS] = json.dumps([entry], ensure_ascii=False)
+
+    answer = review_vmi(
+        admission_review(vmi, kind="VirtualMachineInstance"), Config(hook_sidecar=SIDECAR)
+    )
+
+    response = answer.review["response"]
+    assert (answer.outcome, response["allowed"]) == ("denied", False)
+    assert "patch" not in response
+    message = response["status"]["message"]
+    assert re.fullmatch(
+        r"kubevirt-iommufd: the patch for this VMI would be \d{7} bytes, over the webhook's limit"
+        rf" of {MAX_PATCH_BYTES}; added hook sidecar for 'nvidia.com/GH100_H100'",
+        message,
+    )
