@@ -19,26 +19,17 @@ import grpc
 from hostdev.unix_socket import UnixSocketError, bind_unix_socket_path
 
 # Only the kubelet, which runs as root, dials these sockets: nobody else needs to connect.
-KUBELET_SOCKET_MODE = 0o600
+SOCKET_MODE = 0o600
 # One thread holds each open stream (ListAndWatch, health); the rest serve the unary calls.
 _WORKERS = 8
 
 
 class GrpcSocketServer:
-    """Serves what `add_services` puts on a gRPC server at `path`; restartable."""
+    """Serves what `add_services` puts on a gRPC server at `path`, with mode 0600; restartable."""
 
-    def __init__(
-        self,
-        path: Path,
-        add_services: Callable[[grpc.Server], None],
-        *,
-        mode: int = KUBELET_SOCKET_MODE,
-        workers: int = _WORKERS,
-    ) -> None:
+    def __init__(self, path: Path, add_services: Callable[[grpc.Server], None]) -> None:
         self.path = path
         self._add_services = add_services
-        self._mode = mode
-        self._workers = workers
         self._server: grpc.Server | None = None
         self._executor: futures.ThreadPoolExecutor | None = None
         self._identity: tuple[int, int] | None = None
@@ -50,12 +41,12 @@ class GrpcSocketServer:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise UnixSocketError(f"cannot make {self.path.parent}: {error}") from error
-        executor = futures.ThreadPoolExecutor(max_workers=self._workers)
+        executor = futures.ThreadPoolExecutor(max_workers=_WORKERS)
         server = grpc.server(executor)
         self._add_services(server)
         try:
             bind_unix_socket_path(
-                self.path, lambda address: server.add_insecure_port(f"unix:{address}"), self._mode
+                self.path, lambda address: server.add_insecure_port(f"unix:{address}"), SOCKET_MODE
             )
         except UnixSocketError:
             executor.shutdown(wait=False)
