@@ -313,15 +313,6 @@ def test_owner_and_mode_are_configurable(make_handoff: MakeHandoff) -> None:
     assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (0o600, 1234, 5678)
 
 
-@pytest.fixture
-def open_umask() -> Iterator[None]:
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
-
-
 def test_under_umask_000_the_socket_is_never_seen_with_a_wider_mode(
     make_handoff: MakeHandoff,
     tmp_path: Path,

@@ -4,7 +4,6 @@ the kubelet answers to a Register is quoted before it reaches a log line."""
 
 from __future__ import annotations
 
-import os
 import stat
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -31,15 +30,6 @@ def start_plugin(
 ) -> Iterator[Callable[..., Plugin]]:
     with plugin_starter(build_host, short_dir, tmp_path) as start:
         yield start
-
-
-@pytest.fixture
-def open_umask() -> Iterator[None]:
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
 
 
 def _plugin_socket_modes(directory: Path) -> dict[str, int]:

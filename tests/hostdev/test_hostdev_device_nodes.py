@@ -6,13 +6,12 @@ from dataclasses import replace
 
 import pytest
 
+from host_values import AUDIO, FULL, GPU, function
 from hostdev.bdf import Bdf
 from hostdev.config import DeviceMode
 from hostdev.device_nodes import build_device_nodes
 from hostdev.model import GroupMember, HostCapabilities, IommuGroup, PciFunction
 
-GPU = Bdf.parse("0000:3b:00.0")
-AUDIO = Bdf.parse("0000:3b:00.1")
 CDEV, IOMMU, CONTAINER, GROUP = (
     "/dev/vfio/devices/vfio0",
     "/dev/iommu",
@@ -20,40 +19,6 @@ CDEV, IOMMU, CONTAINER, GROUP = (
     "/dev/vfio/14",
 )
 BOTH = (CDEV, IOMMU, CONTAINER, GROUP)
-
-FULL = HostCapabilities(
-    iommu=True,
-    iommufd=True,
-    iommufd_node_present=True,
-    iommufd_devnum="10:257",
-    vfio_cdev=True,
-    legacy_vfio_node_present=True,
-    kernel_release="6.12.0",
-)
-
-
-def function(bdf: Bdf = GPU, **changes: object) -> PciFunction:
-    base = PciFunction(
-        bdf=bdf,
-        vendor_id=0x10DE,
-        device_id=0x2330,
-        subsystem_vendor_id=None,
-        subsystem_device_id=None,
-        class_code=0x030200,
-        revision=None,
-        driver="vfio-pci",
-        iommu_group=14,
-        numa_node=0,
-        sriov=None,
-        physfn=None,
-        modalias=None,
-        upstream=(),
-        consumers=(),
-        vfio_cdev="vfio0",
-        vfio_cdev_present=True,
-        vfio_sysfs_without_cdev=False,
-    )
-    return replace(base, **changes)  # type: ignore[arg-type]
 
 
 def group(node_present: bool = True) -> IommuGroup:
@@ -147,9 +112,9 @@ def test_nodes_follow_what_the_host_offers_and_the_mode(
 
 
 def test_the_cdevs_of_every_given_owner_whose_node_exists_in_order() -> None:
-    audio = function(AUDIO, vfio_cdev="vfio1")
-    gone = function(Bdf.parse("0000:3b:00.2"), vfio_cdev="vfio2", vfio_cdev_present=False)
-    bridge_side = function(Bdf.parse("0000:3b:00.3"), vfio_cdev=None)
+    audio = function(bdf=AUDIO, vfio_cdev="vfio1")
+    gone = function(bdf=Bdf.parse("0000:3b:00.2"), vfio_cdev="vfio2", vfio_cdev_present=False)
+    bridge_side = function(bdf=Bdf.parse("0000:3b:00.3"), vfio_cdev=None)
     owners = (function(), audio, None, gone, bridge_side)
     assert build_device_nodes(function(), group(), FULL, cdev_owners=owners) == (
         CDEV,
@@ -162,5 +127,5 @@ def test_the_cdevs_of_every_given_owner_whose_node_exists_in_order() -> None:
 
 def test_owners_do_not_make_iommufd_usable_for_a_function_that_cannot_use_it() -> None:
     subject = function(vfio_cdev_present=False)
-    owners = (subject, function(AUDIO, vfio_cdev="vfio1"))
+    owners = (subject, function(bdf=AUDIO, vfio_cdev="vfio1"))
     assert build_device_nodes(subject, group(), FULL, cdev_owners=owners) == (CONTAINER, GROUP)

@@ -3,7 +3,6 @@ again after its socket or its directory is wiped, and only ever removing the fil
 
 from __future__ import annotations
 
-import os
 import shutil
 import stat
 import threading
@@ -50,15 +49,6 @@ def served(path: Path) -> Iterator[GrpcSocketServer]:
     server.start()
     yield server
     server.stop(grace=0)
-
-
-@pytest.fixture
-def open_umask() -> Iterator[None]:
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
 
 
 def test_serves_at_its_path_in_a_directory_it_makes(served: GrpcSocketServer, path: Path) -> None:
