@@ -11,6 +11,7 @@ from types import MappingProxyType
 from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
 from hostdev.bdf import Bdf
 from hostdev.config import DeviceMode, PluginConfig
+from hostdev.device_nodes import IOMMU_NODE, build_device_nodes
 from hostdev.model import (
     HostCapabilities,
     HostInventory,
@@ -20,9 +21,6 @@ from hostdev.model import (
 from hostdev.naming import pci_resource_env
 from hostdev.pciids import PciIds
 from hostdev.selection import resource_for
-
-IOMMU_NODE = "/dev/iommu"
-VFIO_CONTAINER_NODE = "/dev/vfio/vfio"
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,14 +181,11 @@ def _device(
             problems.extend(no_legacy)
         elif no_iommufd and no_legacy:
             problems.extend(no_iommufd + no_legacy)
-    nodes: list[str] = []
-    if group is not None and not problems:
-        if mode is not DeviceMode.LEGACY and not no_iommufd:
-            nodes.extend(m.cdev_path for m in siblings if m and m.cdev_path and m.vfio_cdev_present)
-            nodes.append(IOMMU_NODE)
-        if mode is not DeviceMode.IOMMUFD and not no_legacy:
-            nodes.extend((VFIO_CONTAINER_NODE, group.legacy_node))
-    node_tuple = tuple(nodes)
+    nodes = (
+        build_device_nodes(function, group, caps, mode, siblings)
+        if group is not None and not problems
+        else ()
+    )
     return VfioDevice(
         bdf=function.bdf,
         healthy=not problems,
@@ -198,5 +193,5 @@ def _device(
         driver=function.driver,
         numa_node=function.numa_node,
         switch=function.upstream[:-1],
-        device_nodes=shared_nodes.setdefault(node_tuple, node_tuple),
+        device_nodes=shared_nodes.setdefault(nodes, nodes),
     )

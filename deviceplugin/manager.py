@@ -235,9 +235,7 @@ class PluginManager:
             self._lost_check_at = None
             self._restart_servers(set(self._servers))
             return
-        removed = {
-            r for r, s in self._servers.items() if s.socket_path.name in batch.removed_sockets
-        }
+        removed = {r for r, s in self._servers.items() if s.path.name in batch.removed_sockets}
         if removed:
             # A starting kubelet deletes every socket before it recreates its own: wait for that
             # rather than serve anew into the middle of its clean-up.
@@ -393,9 +391,7 @@ class PluginManager:
 
     def _restart_servers(self, resources: set[str]) -> None:
         for resource in sorted(resources):
-            server = self._servers[resource]
-            server.stop(grace=0)
-            server.start()
+            self._servers[resource].restart(grace=0)
             self._unregistered.add(resource)
         self._retry_delay = _RETRY_FIRST
         self._register_pending()
@@ -409,18 +405,17 @@ class PluginManager:
             return
         for resource in sorted(self._unregistered):
             server = self._servers[resource]
-            if not server.socket_present:
-                server.stop(grace=0)
-                server.start()
+            if not server.present:
+                server.restart(grace=0)
             try:
                 register_with_kubelet(
-                    self._kubelet_dir, resource, server.socket_path.name, server.servicer.options
+                    self._kubelet_dir, resource, server.path.name, server.servicer.options
                 )
             except RegistrationError as error:
                 log.warning("registration failed resource=%s error=%r", resource, str(error))
                 self._metrics.registration(resource, "failed")
                 continue
-            log.info("registered resource=%s endpoint=%s", resource, server.socket_path.name)
+            log.info("registered resource=%s endpoint=%s", resource, server.path.name)
             self._metrics.registration(resource, "ok")
             self._unregistered.discard(resource)
         if self._unregistered:

@@ -4,24 +4,20 @@ the Register call that tells the kubelet where it is."""
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 from pathlib import Path
 from typing import Protocol
 
 import grpc
 
 from deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from hostdev.unix_socket import MAX_SOCKET_PATH, UnixSocketError, bind_unix_socket_path
+from hostdev.grpc_socket import GrpcSocketServer
+from hostdev.unix_socket import MAX_SOCKET_PATH
 from hostdev.untrusted import quote_untrusted
 
 log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
-# One thread holds each open ListAndWatch stream; the rest serve Allocate and friends.
-_WORKERS = 8
-# Only the kubelet, which runs as root, dials the plugin: nobody else needs to connect.
-SOCKET_MODE = 0o600
 
 
 class RegistrationError(Exception):
@@ -35,8 +31,11 @@ class DevicePluginService(Protocol):
         ...
 
 
-class PluginServer:
-    """Serves one resource's DevicePlugin service on `socket_path`."""
+class PluginServer(GrpcSocketServer):
+    """Serves one resource's DevicePlugin service on `socket_path`.
+
+    `start` comes before Register: the kubelet dials back as soon as it gets one.
+    """
 
     def __init__(self, socket_path: Path, servicer: DevicePluginService) -> None:
         if len(str(socket_path)) > MAX_SOCKET_PATH:
@@ -44,61 +43,11 @@ class PluginServer:
                 f"socket path {socket_path} is longer than {MAX_SOCKET_PATH} bytes;"
                 " use a shorter --kubelet-dir"
             )
-        self.socket_path = socket_path
+        super().__init__(
+            socket_path,
+            lambda server: api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, server),
+        )
         self.servicer = servicer
-        self._server: grpc.Server | None = None
-        self._executor: futures.ThreadPoolExecutor | None = None
-        self._inode: int | None = None
-
-    def start(self) -> None:
-        """Serve; the kubelet dials back as soon as it gets a Register, so this comes first."""
-        executor = futures.ThreadPoolExecutor(max_workers=_WORKERS)
-        server = grpc.server(executor)
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        try:
-            # Replaces a socket left at the path (ours from before a kubelet restart).
-            bind_unix_socket_path(
-                self.socket_path,
-                lambda address: server.add_insecure_port(f"unix://{address}"),
-                SOCKET_MODE,
-            )
-        except UnixSocketError:
-            executor.shutdown(wait=False)
-            raise
-        server.start()
-        self._server = server
-        self._executor = executor
-        try:
-            self._inode = self.socket_path.stat().st_ino
-        except FileNotFoundError:
-            # Deleted as soon as made (a kubelet cleaning up): socket_present says so, and the
-            # manager serves anew before it registers.
-            self._inode = None
-
-    def stop(self, grace: float | None = 0.2) -> None:
-        server, self._server = self._server, None
-        if server is None:
-            return
-        server.stop(grace).wait()
-        # grpc never shuts down the pool it was given; without this every restart (each kubelet
-        # restart) would leave its threads behind.
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
-        # Remove the socket only if it is still ours: a restarted server may own the path now.
-        try:
-            if self._inode is not None and self.socket_path.stat().st_ino == self._inode:
-                self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
-
-    @property
-    def socket_present(self) -> bool:
-        """False once someone (a restarting kubelet) removed our socket file."""
-        try:
-            return self.socket_path.stat().st_ino == self._inode
-        except FileNotFoundError:
-            return False
 
 
 def register_with_kubelet(

@@ -19,9 +19,10 @@ from deviceplugin.allocation import (
     plan_preferred,
 )
 from deviceplugin.feed import Feed
-from deviceplugin.inventory import IOMMU_NODE, VfioResource
+from deviceplugin.inventory import VfioResource
 from deviceplugin.iommufd_handoff import CONTAINER_SOCKET_PATH, HandoffError, PreparedSocket
 from deviceplugin.v1beta1 import api_pb2
+from hostdev.device_nodes import IOMMU_NODE
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from typing import Any
 from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
 from hostdev.bdf import Bdf
 from hostdev.config import Binding, PluginConfig, ResourceConfig
+from hostdev.device_nodes import IOMMU_NODE as IOMMU_NODE  # noqa: PLC0414 - dra.driver reads it here
+from hostdev.device_nodes import build_device_nodes
 from hostdev.model import HostCapabilities, HostInventory, IommuGroup, PciFunction, is_vfio_driver
 from hostdev.naming import nvidia_device_name
 from hostdev.pciids import PciIds
 from hostdev.selection import resource_for
 
-IOMMU_NODE = "/dev/iommu"
-VFIO_CONTAINER_NODE = "/dev/vfio/vfio"
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 # The API server caps string attribute values at 64 characters.
@@ -98,9 +98,9 @@ def judge_function(
         return "no resource of the configuration selects it"
     if group is None:
         return "in no IOMMU group"
-    nodes = _device_nodes(function, group, inventory)
-    if isinstance(nodes, str):
-        return nodes
+    nodes = build_device_nodes(function, group, caps)
+    if not nodes:
+        return "; ".join(iommufd_gaps(function, caps) + legacy_gaps(group, caps))
     return DraDevice(
         name=device_name(function.bdf),
         bdf=function.bdf,
@@ -158,23 +158,6 @@ def on_demand_gaps(
             " to 0 to give the physical function to a VM",
         )
     return ()
-
-
-def _device_nodes(
-    function: PciFunction, group: IommuGroup, inventory: HostInventory
-) -> tuple[str, ...] | str:
-    caps = inventory.capabilities
-    no_iommufd = iommufd_gaps(function, caps)
-    no_legacy = legacy_gaps(group, caps)
-    if no_iommufd and no_legacy:
-        return "; ".join(no_iommufd + no_legacy)
-    iommufd, legacy = not no_iommufd, not no_legacy
-    nodes: list[str] = []
-    if iommufd and function.cdev_path is not None:
-        nodes += [function.cdev_path, IOMMU_NODE]
-    if legacy:
-        nodes += [VFIO_CONTAINER_NODE, group.legacy_node]
-    return tuple(nodes)
 
 
 def build_attributes(

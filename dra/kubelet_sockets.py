@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -20,12 +18,9 @@ from dra.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from dra.servicer import DraServicerV1, DraServicerV1beta1, RegistrationServicer
 from dra.v1 import api_pb2_grpc as v1_grpc
 from dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
-from hostdev.unix_socket import bind_unix_socket_path
+from hostdev.grpc_socket import GrpcSocketServer
 
 log = logging.getLogger(__name__)
-_WORKERS = 8
-# Only the kubelet (root) talks to these sockets.
-SOCKET_MODE = 0o600
 
 
 def dra_socket_path(kubelet_dir: Path, driver: str) -> Path:
@@ -34,47 +29,6 @@ def dra_socket_path(kubelet_dir: Path, driver: str) -> Path:
 
 def registration_socket_path(kubelet_dir: Path, driver: str) -> Path:
     return kubelet_dir / "plugins_registry" / f"{driver}-reg.sock"
-
-
-class _Served:
-    """One gRPC server on one socket path, restartable."""
-
-    def __init__(self, path: Path, add_services: Callable[[grpc.Server], None]) -> None:
-        self.path = path
-        self._add_services = add_services
-        self._server: grpc.Server | None = None
-        self._executor: futures.ThreadPoolExecutor | None = None
-        self._inode: int | None = None
-
-    def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        executor = futures.ThreadPoolExecutor(max_workers=_WORKERS)
-        server = grpc.server(executor)
-        self._add_services(server)
-        bind_unix_socket_path(
-            self.path, lambda address: server.add_insecure_port(f"unix:{address}"), SOCKET_MODE
-        )
-        server.start()
-        self._server, self._executor = server, executor
-        self._inode = self.path.stat().st_ino
-
-    def stop(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.stop(0.2).wait()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
-        if self._inode is not None and self.present:
-            self.path.unlink(missing_ok=True)
-        self._inode = None
-
-    @property
-    def present(self) -> bool:
-        try:
-            return self.path.stat().st_ino == self._inode
-        except OSError:
-            return False
 
 
 class KubeletSockets:
@@ -98,8 +52,8 @@ class KubeletSockets:
 
         # The DRA socket first: the kubelet dials it as soon as registration succeeds.
         self._served = (
-            _Served(dra_path, add_dra),
-            _Served(registration_socket_path(kubelet_dir, driver), add_registration),
+            GrpcSocketServer(dra_path, add_dra),
+            GrpcSocketServer(registration_socket_path(kubelet_dir, driver), add_registration),
         )
         self._interval = check_interval
         self._stop = threading.Event()
@@ -127,8 +81,7 @@ class KubeletSockets:
                     continue
                 log.warning("%s is gone (kubelet restart?): serving it again", served.path)
                 try:
-                    served.stop()
-                    served.start()
+                    served.restart()
                     self.restarts += 1
                 except OSError as error:
                     log.error("cannot serve %s again: %s; retrying", served.path, error)

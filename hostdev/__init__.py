@@ -2,8 +2,9 @@
 
 - The model and discovery (this package's modules): `scan_host` reads a rooted sysfs/dev into
   plain immutable data (`model`: PCI functions, IOMMU groups, cdevs, iommufd support);
-  `assess`, `selection`, `naming` and `config` are pure functions of it and of the node's
-  configuration; `device_events` and `unix_socket` are the small IO pieces two components share.
+  `assess`, `device_nodes`, `selection`, `naming` and `config` are pure functions of it and of the
+  node's configuration; `device_events`, `unix_socket` and `grpc_socket` are the small IO pieces
+  two components share.
 - `hostdev.binding`: moving functions between drivers (plan, sysfs writes, lock, reset) — IO.
 - `hostdev.labels`: the node's `kubevirt-iommufd.io/` labels, computed purely and published
   through NFD's feature file or a Node patch — IO.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,13 @@ def scenario_root(build_host: BuildHost) -> Callable[[str], Path]:
         return build_host(SCENARIOS[name]())
 
     return build
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """Umask 000 for the test: nothing masks a mode, so a file has whatever mode its maker gave."""
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)

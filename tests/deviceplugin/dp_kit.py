@@ -4,7 +4,6 @@ tests share (conftest.py re-exports them)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
@@ -59,14 +58,6 @@ def short_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="kdp-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def open_umask() -> Iterator[None]:
-    """umask 000 for the test: a file's mode is then what the code chose, not what a umask left."""
-    previous = os.umask(0)
-    yield
-    os.umask(previous)
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
+from host_values import AUDIO, FULL, function
 from hostdev.assess import Assessment, Backend, assess_function
-from hostdev.bdf import Bdf
 from hostdev.model import (
     GroupMember,
     HostCapabilities,
@@ -17,43 +17,6 @@ from hostdev.model import (
     is_group_safe_driver,
     is_vfio_driver,
 )
-
-GPU = Bdf.parse("0000:3b:00.0")
-AUDIO = Bdf.parse("0000:3b:00.1")
-
-FULL = HostCapabilities(
-    iommu=True,
-    iommufd=True,
-    iommufd_node_present=True,
-    iommufd_devnum="10:257",
-    vfio_cdev=True,
-    legacy_vfio_node_present=True,
-    kernel_release="6.12.0",
-)
-
-
-def function(**changes: object) -> PciFunction:
-    base = PciFunction(
-        bdf=GPU,
-        vendor_id=0x10DE,
-        device_id=0x2330,
-        subsystem_vendor_id=0x10DE,
-        subsystem_device_id=0x16C1,
-        class_code=0x030200,
-        revision=0xA1,
-        driver="vfio-pci",
-        iommu_group=14,
-        numa_node=0,
-        sriov=None,
-        physfn=None,
-        modalias=None,
-        upstream=(),
-        consumers=(),
-        vfio_cdev="vfio0",
-        vfio_cdev_present=True,
-        vfio_sysfs_without_cdev=False,
-    )
-    return replace(base, **changes)  # type: ignore[arg-type]
 
 
 def verdict(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,20 +16,11 @@ from hostdev.directories import (
 )
 
 
-@pytest.fixture
-def umask_000() -> Iterator[None]:
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
-
-
 def mode_of(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-@pytest.mark.usefixtures("umask_000")
+@pytest.mark.usefixtures("open_umask")
 def test_new_directories_get_the_exact_mode_under_umask_000(tmp_path: Path) -> None:
     make_directories(tmp_path / "a" / "b" / "c", 0o750)
     assert [mode_of(tmp_path / p) for p in ("a", "a/b", "a/b/c")] == [0o750] * 3
@@ -80,7 +70,7 @@ def test_another_users_directory_is_refused(tmp_path: Path) -> None:
         check_private_directory(directory, "state directory", "fix")
 
 
-@pytest.mark.usefixtures("umask_000")
+@pytest.mark.usefixtures("open_umask")
 def test_make_private_directory_makes_then_checks(tmp_path: Path) -> None:
     make_private_directory(tmp_path / "cdi", 0o755, "CDI directory", "fix")
     assert mode_of(tmp_path / "cdi") == 0o755

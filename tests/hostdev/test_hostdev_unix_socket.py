@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 import stat
-from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -14,15 +13,6 @@ import grpc
 import pytest
 
 from hostdev.unix_socket import MAX_SOCKET_PATH, UnixSocketError, bind_unix_socket_path
-
-
-@pytest.fixture
-def open_umask() -> Iterator[None]:
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
 
 
 def _mode(path: Path) -> int:
