@@ -58,6 +58,7 @@ class Failure:
     method: str | None
     path: str | None
     retry_after: int | None
+    body: bytes | None = None  # sent as is instead of a Status (ApiServerStandIn.answer_next)
 
 
 class Backend(Protocol):
@@ -186,11 +187,12 @@ class _Handler(BaseHTTPRequestHandler):
         body: Object | None = None
         watch: _Watch | None = None
         headers: dict[str, str] = {}
+        verbatim: bytes | None = None
         try:
             body = _parse_body(raw)
             failure = backend.take_failure(method, split.path)
             if failure is not None:
-                status = failure.status
+                status, verbatim = failure.status, failure.body
                 answer = build_status(
                     status, f"the API server stand-in was told to answer {status}"
                 )
@@ -214,6 +216,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if watch is not None:
                 self._watch(watch)
+            elif verbatim is not None:
+                self._send(status, verbatim, headers)
             else:
                 self._send_json(status, answer, headers)
         except (BrokenPipeError, ConnectionResetError):
@@ -316,7 +320,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _send_json(self, status: int, obj: Object, headers: Mapping[str, str] = {}) -> None:
-        data = json.dumps(obj).encode()
+        self._send(status, json.dumps(obj).encode(), headers)
+
+    def _send(self, status: int, data: bytes, headers: Mapping[str, str]) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
