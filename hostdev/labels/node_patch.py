@@ -3,8 +3,9 @@ the official `kubernetes` client (RBAC: `nodes` `get` and `patch`).
 
 Each change is a JSON merge patch of `metadata.labels` naming only keys under
 `kubevirt-iommufd.io/` (`hostdev.labels.node_labels.build_node_label_patch`): ours are set or
-removed, every other label is never in the request. The API may be slow or away, so a thread of
-its own does the calls and retries with backoff; the component's own work never waits for it.
+removed, every other label is never in the request. The API may be slow, away or answer
+anything at all, so a thread of its own does the calls and retries every failure with backoff,
+saying each once while it repeats; the component's own work never waits for it.
 """
 
 from __future__ import annotations

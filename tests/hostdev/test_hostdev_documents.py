@@ -103,6 +103,11 @@ HOSTILE: list[tuple[str, bytes, str]] = [
         b"\xef\xbb\xbf{}",
         "{path} is not valid JSON at line 1, column 1: Unexpected",
     ),
+    (
+        "duplicate.yaml",
+        b"resources: []\nresources: []\n",
+        "{path} at line 2, column 1: duplicate key 'resources' (first at line 1, column 1)",
+    ),
     ("two-docs.yaml", b"a: 1\n---\nb: 2\n", "{path} is not valid YAML at line 2, column 1"),
     ("large.yaml", b"a: " + b"x" * (1 << 20), "{path} is larger than 1 MiB"),
     ("directory.yaml", b"", "cannot read config {path}: Is a directory"),
@@ -226,7 +231,9 @@ COMMANDS = {
     ),
 }
 COMMAND_FILES = [
-    h for h in HOSTILE if h[0].split(".")[0] in {"deep", "huge-int", "billion-laughs", "bad-date"}
+    h
+    for h in HOSTILE
+    if h[0].split(".")[0] in {"deep", "huge-int", "billion-laughs", "bad-date", "duplicate"}
 ]
 
 
