@@ -31,11 +31,17 @@ def test_problems_are_one_line_naming_file_and_place(
     tmp_path: Path, name: str, content: bytes, message: str
 ) -> None:
     path = tmp_path / name
+    text = refusal(path, content)
+    assert text.startswith(message.format(path=path))
+    assert "\n" not in text
+
+
+def refusal(path: Path, content: bytes) -> str:
+    """What reading `content` from `path` as a config is refused with."""
     path.write_bytes(content)
     with pytest.raises(DocumentError) as caught:
         read_document(path, "config")
-    assert str(caught.value).startswith(message.format(path=path))
-    assert "\n" not in str(caught.value)
+    return str(caught.value)
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -183,10 +189,7 @@ def test_a_key_given_twice_is_refused_naming_both_places(
     tmp_path: Path, name: str, content: str, message: str
 ) -> None:
     path = tmp_path / name
-    path.write_text(content)
-    with pytest.raises(DocumentError) as caught:
-        read_document(path, "config")
-    assert str(caught.value) == f"config {path} {message}: give each key once"
+    assert refusal(path, content.encode()) == f"config {path} {message}: give each key once"
 
 
 def test_keys_that_only_look_alike_are_not_duplicates(tmp_path: Path) -> None:
