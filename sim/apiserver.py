@@ -266,6 +266,11 @@ class ApiServerStandIn:
         with self._lock:
             self._failures.append(Failure(count, status, method, path, retry_after))
 
+    def conflict_next_update(self, count: int = 1) -> None:
+        """Answer the next `count` updates with 409 Conflict, as if someone wrote first."""
+        with self._lock:
+            self._conflicts += count
+
     def answer_next(
         self,
         body: bytes,
@@ -280,11 +285,6 @@ class ApiServerStandIn:
         shape."""
         with self._lock:
             self._failures.append(Failure(count, status, method, path, None, body))
-
-    def conflict_next_update(self, count: int = 1) -> None:
-        """Answer the next `count` updates with 409 Conflict, as if someone wrote first."""
-        with self._lock:
-            self._conflicts += count
 
     @property
     def requests(self) -> tuple[LoggedRequest, ...]:
