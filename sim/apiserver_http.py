@@ -216,10 +216,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if watch is not None:
                 self._watch(watch)
-            elif verbatim is not None:
-                self._send(status, verbatim, headers)
             else:
-                self._send_json(status, answer, headers)
+                data = json.dumps(answer).encode() if verbatim is None else verbatim
+                self._send(status, data, headers)
         except (BrokenPipeError, ConnectionResetError):
             pass
 
@@ -318,9 +317,6 @@ class _Handler(BaseHTTPRequestHandler):
         data = json.dumps(event).encode() + b"\n"
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
-
-    def _send_json(self, status: int, obj: Object, headers: Mapping[str, str] = {}) -> None:
-        self._send(status, json.dumps(obj).encode(), headers)
 
     def _send(self, status: int, data: bytes, headers: Mapping[str, str]) -> None:
         self.send_response(status)
