@@ -187,17 +187,21 @@ class _Handler(BaseHTTPRequestHandler):
         body: Object | None = None
         watch: _Watch | None = None
         headers: dict[str, str] = {}
-        verbatim: bytes | None = None
         try:
             body = _parse_body(raw)
             failure = backend.take_failure(method, split.path)
+            if failure is not None and failure.body is not None:
+                # Nothing below applies to an answer sent as is, logging aside.
+                backend.record(LoggedRequest(method, split.path, query, body, failure.status))
+                self._send(failure.status, failure.body, {})
+                return
             if failure is not None:
-                status, verbatim = failure.status, failure.body
+                status = failure.status
                 answer = build_status(
                     status, f"the API server stand-in was told to answer {status}"
                 )
-                if failure.retry_after is not None:
-                    headers["Retry-After"] = str(failure.retry_after)
+                retry_after = failure.retry_after
+                headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
             else:
                 if self.headers.get("Authorization") != f"Bearer {backend.token}":
                     raise ApiError(build_status(401, "Unauthorized"))
@@ -217,8 +221,7 @@ class _Handler(BaseHTTPRequestHandler):
             if watch is not None:
                 self._watch(watch)
             else:
-                data = json.dumps(answer).encode() if verbatim is None else verbatim
-                self._send(status, data, headers)
+                self._send_json(status, answer, headers)
         except (BrokenPipeError, ConnectionResetError):
             pass
 
@@ -317,6 +320,9 @@ class _Handler(BaseHTTPRequestHandler):
         data = json.dumps(event).encode() + b"\n"
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
+
+    def _send_json(self, status: int, obj: Object, headers: Mapping[str, str] = {}) -> None:
+        self._send(status, json.dumps(obj).encode(), headers)
 
     def _send(self, status: int, data: bytes, headers: Mapping[str, str]) -> None:
         self.send_response(status)
