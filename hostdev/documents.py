@@ -13,12 +13,17 @@ exception, and costs bounded time and memory:
   reference to a shared node, so a few lines of them make a value whose walk or printout never
   ends ("billion laughs");
 - a value YAML's own tags cannot construct (`!!int abc`, `2001-02-30`), and text that is not
-  UTF-8 or (in JSON) not Unicode at all, are errors like any other.
+  UTF-8 or (in JSON) not Unicode at all, are errors like any other;
+- a key given twice in one mapping (a second `resources:`) is refused with both places: the
+  decoders would keep the second and drop the first without a word.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable
+from json.decoder import JSONObject  # type: ignore[attr-defined]  # stable since 2.6, untyped
+from json.scanner import py_make_scanner  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +31,7 @@ import yaml
 from yaml.constructor import ConstructorError
 from yaml.error import Mark
 from yaml.events import Event
-from yaml.nodes import Node, ScalarNode
+from yaml.nodes import MappingNode, Node, ScalarNode
 
 from hostdev.errors import HostdevError
 
@@ -81,11 +86,70 @@ def _json_int(text: str) -> int:
     return int(text)
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object, with the lines of both."""
+
+    def __init__(self, key: str, first_line: int, line: int) -> None:
+        super().__init__(key)
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+class _JsonDecoder(json.JSONDecoder):
+    """json's decoder with the number limit, refusing a key given twice in one object with the
+    lines of both. Only the pure-Python scanner lets objects be built here (about ten times
+    slower than the C one, a fraction of a second for the largest file read)."""
+
+    def __init__(self) -> None:
+        super().__init__(parse_int=_json_int)
+        self.parse_object = self._parse_object
+        self.scan_once = py_make_scanner(self)
+
+    @staticmethod
+    def _parse_object(
+        text_and_end: tuple[str, int],
+        strict: bool,
+        scan_once: Any,
+        object_hook: Any,
+        object_pairs_hook: Any,
+        memo: Any = None,
+    ) -> tuple[dict[str, object], int]:
+        # JSONObject scans each value once, right after its key's colon: where values start
+        # tells where their keys are.
+        starts: list[int] = []
+
+        def scan_value(text: str, start: int) -> Any:
+            starts.append(start)
+            return scan_once(text, start)
+
+        pairs, end = JSONObject(text_and_end, strict, scan_value, None, list, memo)
+        built: dict[str, object] = {}
+        first: dict[str, int] = {}
+        for (key, value), start in zip(pairs, starts, strict=True):
+            if key in first:
+                text = text_and_end[0]
+                raise _DuplicateKey(key, _key_line(text, first[key]), _key_line(text, start))
+            first[key] = start
+            built[key] = value
+        return built, end
+
+
+def _key_line(text: str, value_start: int) -> int:
+    """The line of the key whose value starts at `value_start` (its closing quote's: a JSON
+    string holds no newline)."""
+    colon = text.rindex(":", 0, value_start)
+    return text.count("\n", 0, len(text[:colon].rstrip())) + 1
+
+
 def _decode_json(text: str, path: Path, what: str) -> object:
     try:
-        return json.loads(text, parse_int=_json_int)
+        return json.loads(text, cls=_JsonDecoder)
     except _NumberTooLong as error:
         raise DocumentError(f"{what} {path}: {error}") from None
+    except _DuplicateKey as error:
+        raise DocumentError(
+            f"{what} {path} at line {error.line}:"
+            f" {_duplicate(error.key, f'line {error.first_line}')}"
+        ) from None
     except json.JSONDecodeError as error:
         raise DocumentError(
             f"{what} {path} is not valid JSON at line {error.lineno}, column {error.colno}:"
@@ -144,6 +208,20 @@ class _BoundedLoader(yaml.SafeLoader):
         # The pure-Python parser (this loader's) makes yaml.error marks.
         return event.start_mark if isinstance(event.start_mark, Mark) else None
 
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        first: dict[object, Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<:` values give way to the mapping's own keys: YAML's rule
+            key = self.construct_object(key_node, deep)
+            if not isinstance(key, Hashable):
+                continue  # refused as such by the constructor
+            mark = first.setdefault(key, key_node.start_mark)
+            if mark is not key_node.start_mark:
+                where = f"line {mark.line + 1}, column {mark.column + 1}"
+                raise _Refused(None, None, _duplicate(key, where), key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
     def construct_object(self, node: Node, deep: bool = False) -> Any:
         try:
             return super().construct_object(node, deep)
@@ -168,6 +246,10 @@ def _construct_int(loader: _BoundedLoader, node: ScalarNode) -> int:
 
 
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def _duplicate(key: object, first: str) -> str:
+    return f"duplicate key {repr(key)[:40]} (first at {first}): give each key once"
 
 
 def _where(error: yaml.YAMLError) -> str:

@@ -300,6 +300,21 @@ class ApiServerStandIn:
         with self._lock:
             self._conflicts += count
 
+    def answer_next(
+        self,
+        body: bytes,
+        count: int = 1,
+        status: int = 200,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        """Answer the next `count` requests (of `method`, whose path contains `path`) with `body`
+        as is, as a broken server or a proxy in front of one might: not JSON, or JSON of any
+        shape."""
+        with self._lock:
+            self._failures.append(Failure(count, status, method, path, None, body))
+
     @property
     def requests(self) -> tuple[LoggedRequest, ...]:
         with self._lock:

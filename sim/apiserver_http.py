@@ -58,6 +58,7 @@ class Failure:
     method: str | None
     path: str | None
     retry_after: int | None
+    body: bytes | None = None  # sent as is instead of a Status (ApiServerStandIn.answer_next)
 
 
 @dataclass(slots=True)
@@ -206,13 +207,18 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = _parse_body(raw)
             failure = backend.take_failure(method, split.path)
+            if failure is not None and failure.body is not None:
+                # Nothing below applies to an answer sent as is, logging aside.
+                backend.record(LoggedRequest(method, split.path, query, body, failure.status))
+                self._send(failure.status, failure.body, {})
+                return
             if failure is not None:
                 status = failure.status
                 answer = build_status(
                     status, f"the API server stand-in was told to answer {status}"
                 )
-                if failure.retry_after is not None:
-                    headers["Retry-After"] = str(failure.retry_after)
+                retry_after = failure.retry_after
+                headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
             else:
                 if self.headers.get("Authorization") != f"Bearer {backend.token}":
                     raise ApiError(build_status(401, "Unauthorized"))
@@ -385,7 +391,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _send_json(self, status: int, obj: Object, headers: Mapping[str, str] = {}) -> None:
-        data = json.dumps(obj).encode()
+        self._send(status, json.dumps(obj).encode(), headers)
+
+    def _send(self, status: int, data: bytes, headers: Mapping[str, str]) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))

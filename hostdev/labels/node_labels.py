@@ -103,8 +103,30 @@ def is_ours(key: str) -> bool:
     return key in _FIXED_LABELS or key.startswith(LABEL_PREFIX + _COUNT_STEM)
 
 
+class NodeShapeError(ValueError):
+    """The API's answer to a Node read is not a Node whose labels can be read."""
+
+
+def build_node_label_patch(node: object, wanted: Mapping[str, str]) -> dict[str, str | None]:
+    """`build_label_patch` from the Node as the API answered it, whatever JSON that is: a Node
+    whose `metadata.labels` is absent or null has none; any other shape (not an object, no
+    `metadata` object, labels not an object) is a NodeShapeError, as nothing of ours can be
+    known to be there or not."""
+    if not isinstance(node, dict):
+        raise NodeShapeError(f"the answer is {_json_type(node)}, not a Node")
+    metadata = node.get("metadata")
+    if not isinstance(metadata, dict):
+        raise NodeShapeError(f"the Node's metadata is {_json_type(metadata)}, not an object")
+    labels = metadata.get("labels")
+    if labels is None:
+        return build_label_patch({}, wanted)
+    if not isinstance(labels, dict):
+        raise NodeShapeError(f"the Node's metadata.labels is {_json_type(labels)}, not an object")
+    return build_label_patch(labels, wanted)
+
+
 def build_label_patch(
-    current: Mapping[str, str], wanted: Mapping[str, str]
+    current: Mapping[str, object], wanted: Mapping[str, str]
 ) -> dict[str, str | None]:
     """The `metadata.labels` of a JSON merge patch taking a Node from `current` to `wanted`
     labels of ours: changed and new ones set, ours (`is_ours`) no longer wanted removed (null),
@@ -114,6 +136,13 @@ def build_label_patch(
     }
     patch |= {key: None for key in current if is_ours(key) and key not in wanted}
     return patch
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null or missing"
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    return names.get(type(value), "a number")
 
 
 def _bool(value: bool) -> str:

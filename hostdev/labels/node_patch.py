@@ -2,9 +2,10 @@
 the official `kubernetes` client (RBAC: `nodes` `get` and `patch`).
 
 Each change is a JSON merge patch of `metadata.labels` naming only keys under
-`kubevirt-iommufd.io/` (`hostdev.labels.node_labels.build_label_patch`): ours are set or
-removed, every other label is never in the request. The API may be slow or away, so a thread of
-its own does the calls and retries with backoff; the component's own work never waits for it.
+`kubevirt-iommufd.io/` (`hostdev.labels.node_labels.build_node_label_patch`): ours are set or
+removed, every other label is never in the request. The API may be slow, away or answer
+anything at all, so a thread of its own does the calls and retries every failure with backoff,
+saying each once while it repeats; the component's own work never waits for it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from hostdev.labels.node_labels import build_label_patch
+from hostdev.labels.node_labels import NodeShapeError, build_node_label_patch
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
@@ -50,6 +51,7 @@ class NodeLabeler:
         self._lock = threading.Lock()
         self._wanted: dict[str, str] | None = None
         self._applied: dict[str, str] | None = None
+        self._failure: str | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-labels", daemon=True)
@@ -75,10 +77,19 @@ class NodeLabeler:
 
     def sync(self, wanted: Mapping[str, str]) -> None:
         """Read the Node and patch what differs from `wanted` (nothing when nothing does)."""
-        current = self._read_labels()
-        patch = build_label_patch(current, wanted)
+        node = self._call("get", self._core.read_node, self.node_name)
+        try:
+            patch = build_node_label_patch(node, wanted)
+        except NodeShapeError as error:
+            raise NodeLabelError(f"get node {self.node_name}: {error}") from None
         if patch:
-            self._patch(patch)
+            self._call(
+                "patch",
+                self._core.patch_node,
+                self.node_name,
+                {"metadata": {"labels": patch}},
+                _content_type=MERGE_PATCH,
+            )
             log.info(
                 "node labels patched node=%s set=%d removed=%d",
                 self.node_name,
@@ -100,44 +111,48 @@ class NodeLabeler:
                 continue
             try:
                 self.sync(wanted)
-            except NodeLabelError as error:
-                log.warning(
-                    "node labels not applied node=%s: %s; retrying in %.0f s",
-                    self.node_name,
-                    error,
-                    delay,
-                )
+            # Any failure, not only the API's: later changes must still be applied.
+            except Exception as error:
+                self._report(error, delay)
                 self._wake.clear()
                 self._stopping.wait(delay)
                 delay = min(delay * 2, self._retry_max)
                 continue
+            if self._failure is not None:
+                log.info("node labels applied again node=%s", self.node_name)
+            self._failure = None
             delay = self._retry_first
 
-    def _read_labels(self) -> dict[str, str]:
-        node = self._call("get", self._core.read_node, self.node_name)
-        labels = (node.get("metadata") or {}).get("labels") or {}
-        return {str(k): str(v) for k, v in labels.items()}
-
-    def _patch(self, labels: dict[str, str | None]) -> None:
-        self._call(
-            "patch",
-            self._core.patch_node,
+    def _report(self, error: Exception, delay: float) -> None:
+        """A failure is said once while it repeats (at DEBUG after that), not every retry."""
+        expected = isinstance(error, NodeLabelError)
+        said = str(error) if expected else f"{type(error).__name__}: {error}"
+        level = logging.DEBUG if said == self._failure else logging.WARNING
+        self._failure = said
+        log.log(
+            level,
+            "node labels not applied node=%s: %s; retrying in %.1f s",
             self.node_name,
-            {"metadata": {"labels": labels}},
-            _content_type=MERGE_PATCH,
+            said,
+            delay,
+            exc_info=not expected and level == logging.WARNING,
         )
 
-    def _call(self, verb: str, method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def _call(self, verb: str, method: Any, *args: Any, **kwargs: Any) -> object:
         try:
             response = method(
                 *args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs
             )
-            answer: dict[str, Any] = json.loads(response.data)
+            answer: object = json.loads(response.data)
         except ApiException as error:
             raise NodeLabelError(_explain(verb, self.node_name, error)) from None
         except (urllib3.exceptions.HTTPError, OSError, ValueError) as error:
             # The server unreachable (after urllib3's retries), or a body that is not JSON.
             raise NodeLabelError(f"{verb} node {self.node_name}: {error}") from None
+        except RecursionError:
+            raise NodeLabelError(
+                f"{verb} node {self.node_name}: the answer is JSON nested too deep to read"
+            ) from None
         return answer
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from hostdev import config as plugin_config
@@ -246,5 +246,33 @@ def test_files(kind: str, tmp_path: Path) -> None:
         path = tmp_path / f"config{file[0]}"
         path.write_bytes(file[1])
         parses_or_refuses(lambda: load(path), own)
+
+    check()
+
+
+def with_key_again(document: dict[str, Any], key: str, value: object, as_json: bool) -> bytes:
+    """`document` written with `key: value` after its own keys, `key` being one of them."""
+    if as_json:
+        text = json.dumps(document)
+        return f"{text[:-1]}, {json.dumps(key)}: {json.dumps(value)}}}".encode()
+    return encoded(document, False) + encoded({key: value}, False)
+
+
+@pytest.mark.parametrize("kind", sorted(LOADERS))
+def test_a_key_given_twice_is_refused(kind: str, tmp_path: Path) -> None:
+    load, own, documents = LOADERS[kind]
+
+    @settings(FUZZ, max_examples=60)
+    @given(document=documents, again=st.data(), as_json=st.booleans())
+    def check(document: object, again: st.DataObject, as_json: bool) -> None:
+        assume(isinstance(document, dict) and document)
+        assert isinstance(document, dict)
+        key = again.draw(st.sampled_from(sorted(document)))
+        path = tmp_path / ("config.json" if as_json else "config.yaml")
+        path.write_bytes(with_key_again(document, key, again.draw(ANY), as_json))
+        with pytest.raises(own) as caught:
+            load(path)
+        one_line(caught.value)
+        assert f"duplicate key {repr(key)[:40]} (first at line " in str(caught.value)
 
     check()

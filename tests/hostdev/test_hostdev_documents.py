@@ -31,11 +31,17 @@ def test_problems_are_one_line_naming_file_and_place(
     tmp_path: Path, name: str, content: bytes, message: str
 ) -> None:
     path = tmp_path / name
+    text = refusal(path, content)
+    assert text.startswith(message.format(path=path))
+    assert "\n" not in text
+
+
+def refusal(path: Path, content: bytes) -> str:
+    """What reading `content` from `path` as a config is refused with."""
     path.write_bytes(content)
     with pytest.raises(DocumentError) as caught:
         read_document(path, "config")
-    assert str(caught.value).startswith(message.format(path=path))
-    assert "\n" not in str(caught.value)
+    return str(caught.value)
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -103,6 +109,11 @@ HOSTILE: list[tuple[str, bytes, str]] = [
         b"\xef\xbb\xbf{}",
         "{path} is not valid JSON at line 1, column 1: Unexpected",
     ),
+    (
+        "duplicate.yaml",
+        b"resources: []\nresources: []\n",
+        "{path} at line 2, column 1: duplicate key 'resources' (first at line 1, column 1)",
+    ),
     ("two-docs.yaml", b"a: 1\n---\nb: 2\n", "{path} is not valid YAML at line 2, column 1"),
     ("large.yaml", b"a: " + b"x" * (1 << 20), "{path} is larger than 1 MiB"),
     ("directory.yaml", b"", "cannot read config {path}: Is a directory"),
@@ -126,6 +137,82 @@ def test_hostile_files_are_one_line_errors(
     assert "\n" not in text and len(text) < 300
 
 
+# A key given twice in one mapping: the decoders keep the last and drop the first, silently.
+DUPLICATES: list[tuple[str, str, str]] = [
+    (
+        "top.yaml",
+        "resources:\n  - resourceName: a/b\ndeviceMode: both\nresources: []\n",
+        "at line 4, column 1: duplicate key 'resources' (first at line 1, column 1)",
+    ),
+    (
+        "nested.yaml",
+        "devices:\n  - pciAddress: 0000:3b:00.0\n    driver: vfio-pci\n    driver: nvidia\n",
+        "at line 4, column 5: duplicate key 'driver' (first at line 3, column 5)",
+    ),
+    (
+        "flow.yaml",
+        "iommufd: {enabled: true, slots: 4,\n  enabled: false}\n",
+        "at line 2, column 3: duplicate key 'enabled' (first at line 1, column 11)",
+    ),
+    (
+        "quoted.yaml",
+        'a: 1\n"a": 2\n',
+        "at line 2, column 1: duplicate key 'a' (first at line 1, column 1)",
+    ),
+    (
+        "equal.yaml",
+        "1: a\n0x1: b\n",
+        "at line 2, column 1: duplicate key 1 (first at line 1, column 1)",
+    ),
+    (
+        "set.yaml",
+        "!!set\n? a\n? a\n",
+        "at line 3, column 3: duplicate key 'a' (first at line 2, column 3)",
+    ),
+    (
+        "top.json",
+        '{"resources": [],\n "deviceMode": "both",\n "resources": [{"resourceName": "a/b"}]}',
+        "at line 3: duplicate key 'resources' (first at line 1)",
+    ),
+    (
+        "nested.json",
+        '{"devices": [\n  {"pciAddress": "0000:3b:00.0",\n   "driver": "x"\n   ,\n'
+        '   "driver"\n   :\n "y"}]}',
+        "at line 5: duplicate key 'driver' (first at line 3)",
+    ),
+    ("escaped.json", '{"a": 1, "\\u0061": 2}', "at line 1: duplicate key 'a' (first at line 1)"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "message"), DUPLICATES, ids=[d[0] for d in DUPLICATES])
+def test_a_key_given_twice_is_refused_naming_both_places(
+    tmp_path: Path, name: str, content: str, message: str
+) -> None:
+    path = tmp_path / name
+    assert refusal(path, content.encode()) == f"config {path} {message}: give each key once"
+
+
+def test_keys_that_only_look_alike_are_not_duplicates(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("a: 1\nb: {a: 2}\nc: [{a: 3}, {a: 4}]\n'1': x\n1: y\n")
+    (tmp_path / "a.json").write_text('{"a": 1, "b": {"a": 2}, "c": [{"a": 3}, {"a": 4}], "A": 5}')
+    (tmp_path / "merge.yaml").write_text("a: {<<: {b: 1, c: 2}, b: 3}\n")
+    assert read_document(tmp_path / "a.yaml", "config") == {
+        "a": 1,
+        "b": {"a": 2},
+        "c": [{"a": 3}, {"a": 4}],
+        "1": "x",
+        1: "y",
+    }
+    assert read_document(tmp_path / "a.json", "config") == {
+        "a": 1,
+        "b": {"a": 2},
+        "c": [{"a": 3}, {"a": 4}],
+        "A": 5,
+    }
+    # A merge key's values give way to the mapping's own: YAML's rule, not a duplicate.
+    assert read_document(tmp_path / "merge.yaml", "config") == {"a": {"b": 3, "c": 2}}
+
+
 def test_the_limits_leave_every_real_document_alone(tmp_path: Path) -> None:
     (tmp_path / "ok.json").write_text("[" * 63 + "7" * 100 + "]" * 63)
     (tmp_path / "ok.yaml").write_text(
@@ -147,7 +234,9 @@ COMMANDS = {
     ),
 }
 COMMAND_FILES = [
-    h for h in HOSTILE if h[0].split(".")[0] in {"deep", "huge-int", "billion-laughs", "bad-date"}
+    h
+    for h in HOSTILE
+    if h[0].split(".")[0] in {"deep", "huge-int", "billion-laughs", "bad-date", "duplicate"}
 ]
 
 
