@@ -14,11 +14,16 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
+from hostdev.assess import (
+    blockers,
+    iommufd_gaps,
+    iommufd_once_bound,
+    legacy_gaps,
+    on_demand_gaps,
+)
 from hostdev.bdf import Bdf
 from hostdev.config import Binding, PluginConfig, ResourceConfig
-from hostdev.device_nodes import IOMMU_NODE as IOMMU_NODE  # noqa: PLC0414 - dra.driver reads it here
-from hostdev.device_nodes import build_device_nodes
+from hostdev.device_nodes import IOMMU_NODE, build_device_nodes
 from hostdev.model import HostCapabilities, HostInventory, IommuGroup, PciFunction, is_vfio_driver
 from hostdev.naming import nvidia_device_name
 from hostdev.pciids import PciIds
@@ -130,34 +135,12 @@ def _judge_on_demand(
         name=device_name(function.bdf),
         bdf=function.bdf,
         resource=resource,
-        attributes=build_attributes(
-            function, group, resource, names, caps.iommufd and caps.vfio_cdev is not False
-        ),
+        attributes=build_attributes(function, group, resource, names, iommufd_once_bound(caps)),
         device_nodes=(),
         group=group.number,
         bind_on_demand=True,
         reset_after_use=config.reset_after_use,
     )
-
-
-def on_demand_gaps(
-    function: PciFunction, group: IommuGroup | None, caps: HostCapabilities
-) -> tuple[str, ...]:
-    """Why a function on its host driver could not be bound to VFIO for a claim, as far as the
-    host shows without trying; what only the attempt shows (a process holding the device, a
-    driver refusing to let go) is found when a claim is prepared."""
-    if not caps.iommu:
-        return ("no IOMMU: enable VT-d/AMD-Vi in the firmware and boot with intel_iommu=on",)
-    if function.is_bridge:
-        return ("a bridge: bridges cannot be assigned, only the devices behind them",)
-    if group is None:
-        return ("in no IOMMU group: the IOMMU does not cover it",)
-    if function.sriov is not None and function.sriov.num_vfs > 0:
-        return (
-            f"has {function.sriov.num_vfs} SR-IOV virtual functions enabled: set sriov_numvfs"
-            " to 0 to give the physical function to a VM",
-        )
-    return ()
 
 
 def build_attributes(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dra.api import ResourceApi
 from dra.binding import OnDemandBinder
-from dra.devices import IOMMU_NODE, DraDevice
+from dra.devices import DraDevice
 from dra.host_cache import HostCache
 from dra.kubelet_sockets import KubeletSockets
 from dra.prepare import ClaimPreparer, ClaimsChanged
@@ -140,14 +140,16 @@ class DraDriver:
 
     def _publish_labels(self, devices: tuple[DraDevice, ...]) -> None:
         """The node labels (hostdev.labels.node_labels) from the published devices: per
-        resource, how many hand out their cdev and /dev/iommu."""
+        resource, how many a VM gets over iommufd — by the `iommufd` attribute the slice
+        publishes, so a device on its host driver waiting for an on-demand claim counts by what
+        it will offer once bound, as the scheduler sees it."""
         capabilities = self.host.capabilities
         if self._labels is None or capabilities is None:
             return
         counts: dict[str, int] = {}
         for device in devices:
             counts[device.resource] = counts.get(device.resource, 0) + int(
-                IOMMU_NODE in device.device_nodes
+                device.attributes.get("iommufd") is True
             )
         self._labels.publish(build_node_labels(capabilities, counts))
 

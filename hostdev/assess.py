@@ -101,3 +101,29 @@ def legacy_gaps(group: IommuGroup, caps: HostCapabilities) -> tuple[str, ...]:
     if not caps.legacy_vfio_node_present:
         gaps.append("no legacy VFIO container: /dev/vfio/vfio is missing")
     return tuple(gaps)
+
+
+def on_demand_gaps(
+    function: PciFunction, group: IommuGroup | None, caps: HostCapabilities
+) -> tuple[str, ...]:
+    """Why a function on its host driver could not be bound to VFIO for a claim, as far as the
+    host shows without trying; what only the attempt shows (a process holding the device, a
+    driver refusing to let go) is found when a claim is prepared."""
+    if not caps.iommu:
+        return ("no IOMMU: enable VT-d/AMD-Vi in the firmware and boot with intel_iommu=on",)
+    if function.is_bridge:
+        return ("a bridge: bridges cannot be assigned, only the devices behind them",)
+    if group is None:
+        return ("in no IOMMU group: the IOMMU does not cover it",)
+    if function.sriov is not None and function.sriov.num_vfs > 0:
+        return (
+            f"has {function.sriov.num_vfs} SR-IOV virtual functions enabled: set sriov_numvfs"
+            " to 0 to give the physical function to a VM",
+        )
+    return ()
+
+
+def iommufd_once_bound(caps: HostCapabilities) -> bool:
+    """Whether a function bound to VFIO on demand will be usable over iommufd: the kernel has
+    iommufd and does not lack VFIO cdevs (whether it gives them shows only once one is bound)."""
+    return caps.iommufd and caps.vfio_cdev is not False

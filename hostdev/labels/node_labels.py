@@ -7,7 +7,8 @@ Every key is under `kubevirt-iommufd.io/`:
 - `vfio-cdev`: `true`/`false`, whether the kernel gives VFIO devices cdevs; absent while no
   device on a VFIO driver shows either way;
 - `kernel`: the kernel's `major.minor` (`6.12`); absent when the release cannot be read;
-- one count per managed resource: how many of its devices can be handed out over iommufd.
+- one count per managed resource: how many of its devices can be handed out over iommufd (a
+  device a DRA claim binds on demand counts by what it offers once bound).
 
 A resource name (`nvidia.com/GH100H100_SXM5_80GB`) is not a label name: its `/` is not allowed
 and it may be longer than 63 characters. Its count's name is `iommufd-devices.` + the resource
@@ -24,9 +25,9 @@ import hashlib
 import re
 from collections.abc import Mapping
 
-from hostdev.assess import Backend, assess_function
-from hostdev.config import DeviceMode, PluginConfig
-from hostdev.model import HostCapabilities, HostInventory
+from hostdev.assess import Backend, assess_function, iommufd_once_bound, on_demand_gaps
+from hostdev.config import Binding, DeviceMode, PluginConfig
+from hostdev.model import HostCapabilities, HostInventory, PciFunction, is_vfio_driver
 from hostdev.pciids import PciIds
 from hostdev.selection import resource_for
 
@@ -65,18 +66,26 @@ def count_iommufd_devices(
     inventory: HostInventory, config: PluginConfig, names: PciIds
 ) -> dict[str, int]:
     """Per resource the configuration selects functions for, how many of them a VM could be
-    given over iommufd now: what `inspect` shows before any component runs."""
+    given over iommufd: what `inspect` shows before any component runs. A function on its host
+    driver for an on-demand resource counts by what it will offer once a claim binds it."""
     counts: dict[str, int] = {}
     for function in inventory.functions:
         chosen = resource_for(function, config.resources, names)
         if chosen is None:
             continue
-        usable = (
-            config.device_mode is not DeviceMode.LEGACY
-            and assess_function(function, inventory).backend is Backend.IOMMUFD
+        usable = config.device_mode is not DeviceMode.LEGACY and (
+            _iommufd_once_bound(function, inventory)
+            if chosen[1].binding is Binding.ON_DEMAND and not is_vfio_driver(function.driver)
+            else assess_function(function, inventory).backend is Backend.IOMMUFD
         )
         counts[chosen[0]] = counts.get(chosen[0], 0) + int(usable)
     return counts
+
+
+def _iommufd_once_bound(function: PciFunction, inventory: HostInventory) -> bool:
+    group = inventory.group_of(function)
+    caps = inventory.capabilities
+    return not on_demand_gaps(function, group, caps) and iommufd_once_bound(caps)
 
 
 def resource_count_label(resource: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import kubernetes.client
@@ -12,7 +13,7 @@ import kubernetes.client
 from dra.api import ResourceApi
 from dra.driver import DraDriver
 from dra_testkit import NODE, driver_settings, short_directory
-from hostdev.config import default_config
+from hostdev.config import Binding, default_config
 from hostdev.labels.feature_file import FeatureFile
 from hostdev.labels.node_patch import NodeLabeler
 from hostdev.labels.publisher import LabelPublisher
@@ -80,3 +81,37 @@ def test_the_driver_publishes_labels_and_takes_them_back_on_stop(
             driver.stop()
     assert not path.exists()
     assert on_node() == theirs
+
+
+def test_an_on_demand_node_says_iommufd_for_devices_on_their_host_driver(
+    scenario_root: ScenarioRoot, api_client: kubernetes.client.ApiClient, tmp_path: Path
+) -> None:
+    """Slices publish `iommufd: true` for a device a claim will bind; the node label must say
+    the same, or `require` VMIs are kept off the very nodes that would serve them."""
+    root = scenario_root("nvidia-driver")
+    config = default_config()
+    config = replace(
+        config,
+        resources=tuple(
+            replace(r, binding=Binding.ON_DEMAND, selectors=replace(r.selectors, drivers=()))
+            for r in config.resources
+        ),
+    )
+    path = tmp_path / "features.d" / "kubevirt-iommufd-dra"
+    with short_directory() as base:
+        driver = DraDriver(
+            driver_settings(root, base, 0.1),
+            config,
+            PciIds(None),
+            ResourceApi(api_client),
+            labels=LabelPublisher(FeatureFile(path, "dra")),
+        )
+        driver.start()
+        try:
+            (device,) = driver.devices
+            assert device.bind_on_demand and device.attributes["iommufd"] is True
+            lines = path.read_text().splitlines()
+            assert "kubevirt-iommufd.io/iommufd=true" in lines
+            assert "kubevirt-iommufd.io/iommufd-devices.nvidia.com_20b5=1" in lines
+        finally:
+            driver.stop()

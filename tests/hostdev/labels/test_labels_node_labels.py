@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostdev.config import DeviceMode, default_config
+from hostdev.config import Binding, DeviceMode, PluginConfig, default_config
 from hostdev.labels.node_labels import (
     build_node_labels,
     count_iommufd_devices,
@@ -179,3 +179,39 @@ def test_a_legacy_only_node_says_false(build_host: BuildHost) -> None:
         "kubevirt-iommufd.io/kernel": "6.1",
         "kubevirt-iommufd.io/iommufd-devices.nvidia.com_2330": "0",
     }
+
+
+def on_demand(config: PluginConfig) -> PluginConfig:
+    return replace(
+        config,
+        resources=tuple(
+            replace(r, binding=Binding.ON_DEMAND, selectors=replace(r.selectors, drivers=()))
+            for r in config.resources
+        ),
+    )
+
+
+def test_an_on_demand_device_off_vfio_counts_by_what_it_offers_once_bound(
+    build_host: BuildHost,
+) -> None:
+    """A GPU a claim will bind to vfio-pci is served over iommufd then: a `require` VMI must
+    be let onto its node (issue: on-demand nodes said iommufd=false)."""
+    root = build_host(SCENARIOS["hgx-h100"]())
+    unbind_driver(root, "0000:18:00.0")
+    inventory, names = scan_host(root), PciIds(None)
+    counts = count_iommufd_devices(inventory, on_demand(default_config()), names)
+    assert counts == {"nvidia.com/2330": 8}
+    assert build_node_labels(inventory.capabilities, counts)["kubevirt-iommufd.io/iommufd"] == (
+        "true"
+    )
+    legacy = replace(on_demand(default_config()), device_mode=DeviceMode.LEGACY)
+    assert count_iommufd_devices(inventory, legacy, names) == {"nvidia.com/2330": 0}
+
+
+def test_an_on_demand_device_on_a_kernel_without_iommufd_does_not_count(
+    build_host: BuildHost,
+) -> None:
+    root = build_host(SCENARIOS["legacy-only"]())
+    unbind_driver(root, "0000:18:00.0")
+    counts = count_iommufd_devices(scan_host(root), on_demand(default_config()), PciIds(None))
+    assert counts == {"nvidia.com/2330": 0}
