@@ -4,6 +4,11 @@ A body that is not an AdmissionReview we can answer (no `request.uid`) raises `B
 the server turns into HTTP 400. Anything past that gets an answer: a pod we cannot read is let
 through with a warning, because a bug of ours must not block VMs, unless the config is `strict`;
 an object a planner refuses (`Refused`) and an answer over `MAX_PATCH_BYTES` are denied.
+
+A bug of ours while planning (any other exception) is never an HTTP 500: under the VMI webhook's
+`failurePolicy: Ignore` a 500 admits the VMI unchanged, so a `require` VMI would run without the
+affinity that keeps it on iommufd nodes. A VMI is denied instead (it can be created again once
+the bug is fixed); a pod is let through with a warning as above, unless `strict`.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hostdev.untrusted import quote_untrusted
@@ -43,6 +48,8 @@ class Verdict:
     reason: str
     uid: str
     subject: str  # namespace/name of the object, for logs
+    internal_error: bool = False
+    """The answer stands in for a plan a bug of ours kept us from making: logged as an error."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +59,12 @@ class Endpoint:
     kind: str
     noun: str
     planner: Planner
+    fail_closed: bool
+    """Deny, rather than admit unchanged, when planning fails on a bug of ours."""
 
 
-POD = Endpoint("Pod", "pod", plan_pod)
-VMI = Endpoint("VirtualMachineInstance", "VMI", plan_vmi)
+POD = Endpoint("Pod", "pod", plan_pod, fail_closed=False)
+VMI = Endpoint("VirtualMachineInstance", "VMI", plan_vmi, fail_closed=True)
 
 
 def review_pod(body: object, config: Config) -> Verdict:
@@ -94,10 +103,16 @@ def review(body: object, config: Config, endpoint: Endpoint) -> Verdict:
         return _denied(envelope, response, str(refused), subject)
     except Unintelligible as problem:
         reason = f"cannot read the {endpoint.noun}: {problem}"
-        if config.strict:
-            return _denied(envelope, response, reason, subject)
-        response["warnings"] = [f"{WARNING_PREFIX}{reason}; left unchanged"]
-        return Verdict({**envelope, "response": response}, "warned", reason, uid, subject)
+        return _unplanned(envelope, response, reason, subject, deny=config.strict)
+    except Exception as bug:  # any bug of ours is an answer, never an HTTP 500
+        reason = (
+            f"internal error planning this {endpoint.noun} ({type(bug).__name__}: "
+            f"{quote_untrusted(str(bug), 200)}); the webhook's log has it, please report it"
+        )
+        verdict = _unplanned(
+            envelope, response, reason, subject, deny=endpoint.fail_closed or config.strict
+        )
+        return replace(verdict, internal_error=True)
     if plan.operations:
         patch = json.dumps(plan.operations, separators=(",", ":")).encode()
         if len(patch) > MAX_PATCH_BYTES:
@@ -112,6 +127,17 @@ def review(body: object, config: Config, endpoint: Endpoint) -> Verdict:
         response["warnings"] = [f"{WARNING_PREFIX}{warning}" for warning in plan.warnings]
     outcome = "patched" if plan.operations else "warned" if plan.warnings else "unchanged"
     return Verdict({**envelope, "response": response}, outcome, plan.reason, uid, subject)
+
+
+def _unplanned(
+    envelope: dict[str, Any], response: dict[str, Any], reason: str, subject: str, *, deny: bool
+) -> Verdict:
+    """No plan could be made: denied, or let through unchanged with a warning."""
+    if deny:
+        return _denied(envelope, response, reason, subject)
+    response["warnings"] = [f"{WARNING_PREFIX}{reason}; left unchanged"]
+    review = {**envelope, "response": response}
+    return Verdict(review, "warned", reason, response["uid"], subject)
 
 
 def _denied(

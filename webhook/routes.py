@@ -45,7 +45,13 @@ def build_admission_handler(config: Config, metrics: Metrics) -> Handler:
             return text(400, _bad_body(error))
         body = json.dumps(verdict.review, separators=(",", ":")).encode()
         metrics.count_admission(endpoint, verdict.outcome, perf_counter() - started)
-        level = logging.DEBUG if verdict.outcome == "unchanged" else logging.INFO
+        level = (
+            logging.ERROR
+            if verdict.internal_error
+            else logging.DEBUG
+            if verdict.outcome == "unchanged"
+            else logging.INFO
+        )
         if log.isEnabledFor(level):
             # Subject and uid come from the request as they are; the reason quotes what it names.
             log.log(

@@ -8,13 +8,16 @@ import logging
 import re
 import ssl
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from webhook import review as review_module
 from webhook.config import Config, HookSidecar
 from webhook.http_protocol import MAX_BODY, Request
 from webhook.metrics import Metrics
+from webhook.plan import Plan
 from webhook.routes import build_health_handler
 from webhook_kit import (
     IOMMUFD,
@@ -329,3 +332,23 @@ def test_a_hostile_one_mebibyte_vmi_gets_a_short_refusal_and_pods_carry_on(
     assert "patch" in pod["response"]
     hostile.close()
     launcher.close()
+
+
+def test_a_bug_planning_a_vmi_denies_it_over_https_never_500(
+    conn: http.client.HTTPSConnection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 500 under the VMI webhook's failurePolicy Ignore admits a `require` VMI without its
+    affinity; a bug must deny instead, and a launcher pod still gets through with a warning."""
+
+    def bug(*_: object) -> Plan:
+        raise KeyError("spec")
+
+    monkeypatch.setattr(review_module, "VMI", replace(review_module.VMI, planner=bug))
+    monkeypatch.setattr(review_module, "POD", replace(review_module.POD, planner=bug))
+    review = admission_review(load("vmi-gpu.yaml"), kind="VirtualMachineInstance")
+    vmi = admit(conn, "/mutate-vmi", review)["response"]
+    assert vmi["allowed"] is False
+    assert "internal error planning this VMI (KeyError" in vmi["status"]["message"]
+    pod = admit(conn, "/mutate-pod", admission_review(load("pod-gpu.yaml")))["response"]
+    assert pod["allowed"] is True and "patch" not in pod
+    assert "internal error planning this pod" in pod["warnings"][0]
