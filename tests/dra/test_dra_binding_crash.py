@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import os
 import re
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import pytest
 from dra.binding import BindingError, OnDemandBinder
 from hostdev.bdf import Bdf
 from hostdev.binding.bind import HostAccess
+from hostdev.binding.sysfs_write import SIGKILL_AFTER_ENV
 from sim.host import (
     CLASS_3D,
     CLASS_AUDIO,
@@ -348,6 +350,7 @@ from pathlib import Path
 from dra.binding import OnDemandBinder
 from hostdev.bdf import Bdf
 from hostdev.binding.bind import HostAccess
+from hostdev.binding.sysfs_write import SIGKILL_AFTER_ENV
 from sim.kernel import KernelSimulator
 
 root, journal, native, count = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -523,3 +526,34 @@ def test_a_function_no_driver_takes_back_is_reported_where_it_is(tmp_path: Path)
     lines = world.binder().recover(prepared=[UID])
     assert world.state() == {GPU: ("amdgpu", None, None)} and world.journal() == []
     assert "bound to amdgpu" in lines[0]
+
+
+KILLING_WRITER = """
+import sys
+from pathlib import Path
+from hostdev.binding.sysfs_write import KernelSysfs
+
+writer = KernelSysfs()
+for name in sys.argv[1:]:
+    writer.write(Path(name), "1")
+    print("wrote", Path(name).name, flush=True)
+"""
+
+
+def test_the_test_only_kill_switch_kills_right_after_the_named_write(tmp_path: Path) -> None:
+    """What the system test's crash checks rely on: with the variable set, the real writer
+    dies right after the first write to the named attribute; unset, it does nothing."""
+    names = [tmp_path / "driver_override", tmp_path / "unbind", tmp_path / "bind"]
+    for path in names:
+        path.write_text("")
+    argv = [sys.executable, "-c", KILLING_WRITER, *map(str, names)]
+    env = {k: v for k, v in os.environ.items() if k != SIGKILL_AFTER_ENV}
+    run = functools.partial(
+        subprocess.run, argv, cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
+    killed = run(env={**env, SIGKILL_AFTER_ENV: "unbind"})
+    assert killed.returncode == -signal.SIGKILL
+    assert killed.stdout.split("\n")[:-1] == ["wrote driver_override"]
+    assert (tmp_path / "unbind").read_text() == "1" and (tmp_path / "bind").read_text() == ""
+    unset = run(env=env)
+    assert unset.returncode == 0 and unset.stdout.count("wrote") == 3
