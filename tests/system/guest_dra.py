@@ -225,7 +225,8 @@ def _dra_driver(work: Path, state_dir: Path, kill_after: str | None = None) -> I
         env = dict(os.environ)
         if kill_after is not None:
             env[SIGKILL_AFTER_ENV] = kill_after
-        say(f"$ {SIGKILL_AFTER_ENV}={kill_after or ''} {shlex.join(argv)}")
+        killing = f"{SIGKILL_AFTER_ENV}={kill_after} " if kill_after is not None else ""
+        say(f"$ {killing}{shlex.join(argv)}")
         log_path = work / "dra.log"
         spawned = time.time()
         with log_path.open("wb") as log:
