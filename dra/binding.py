@@ -3,10 +3,12 @@ prepared, and goes back when the claim is released — with the same machinery, 
 as `kubevirt-iommufd bind`/`unbind` (hostdev.binding.bind), never around them.
 
 Every move is written down before the first sysfs write: a journal entry per claim under the
-state directory names each function of the move and the driver and override it had. The entry
-says `binding` until the bind is done and checked, `bound` while the claim holds the devices, and
-is removed once they are back. A driver killed mid-bind, or a node that rebooted, finds the
-entries at start-up and puts the host back in a known state (`recover`), saying what it did.
+state directory names the functions the claim asked for and each function moved, with the driver
+and override it had. The entry says `binding` until the bind is done and checked, `bound` while
+the claim holds the devices, `releasing` from just before the first write of giving them back,
+and is removed once they are back. A driver killed anywhere in a bind or a give-back, or a node
+that rebooted, finds the entries at start-up and puts every function exactly where its entry
+says (hostdev.binding.give_back), saying what it did.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NoReturn, get_args
 
 from hostdev.atomic_file import sync_directory, write_file_atomically
 from hostdev.bdf import Bdf
-from hostdev.binding.bind import HostAccess, Outcome, Status, bind_devices, unbind_devices
+from hostdev.binding.bind import HostAccess, Outcome, Status, bind_devices
+from hostdev.binding.give_back import GiveBackRefused, Returned, check_free, give_back
 from hostdev.binding.lock import BindingLock, BindingLockBusy, hold_binding_lock
-from hostdev.binding.plan import AUTO, BindRequest
+from hostdev.binding.plan import AUTO, BindRequest, Move
 from hostdev.binding.reset import ResetStatus, reset_function
+from hostdev.binding.usage import FunctionState
 from hostdev.errors import HostdevError
 from hostdev.model import is_vfio_driver
 from hostdev.scan import scan_host
@@ -35,6 +39,12 @@ LOCK_WAIT_SECONDS = 20.0
 with the bind itself it stays well inside the kubelet's 45 s."""
 NODES_WAIT_SECONDS = 10.0
 """How long the device nodes of a freshly bound device may take to appear (udev makes them)."""
+Phase = Literal["binding", "bound", "releasing"]
+_WHY = {
+    "binding": "a bind was interrupted",
+    "bound": "its claim is no longer prepared",
+    "releasing": "giving them back was interrupted",
+}
 
 
 class BindingError(Exception):
@@ -54,13 +64,14 @@ class Moved:
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
     claim_uid: str
-    phase: str
-    """`binding` (writes may be under way) or `bound`."""
+    phase: Phase
     moved: tuple[Moved, ...]
     reset_after_use: bool
+    requested: tuple[Bdf, ...] | None = None
+    """The functions the claim asked for; None in entries written before it was recorded."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "claimUID": self.claim_uid,
             "phase": self.phase,
             "resetAfterUse": self.reset_after_use,
@@ -68,18 +79,33 @@ class JournalEntry:
                 {"bdf": str(m.bdf), "driver": m.driver, "override": m.override} for m in self.moved
             ],
         }
+        if self.requested is not None:
+            data["requested"] = [str(b) for b in self.requested]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JournalEntry:
+        phase = data["phase"]
+        if phase not in get_args(Phase):
+            raise ValueError(f"unknown phase {phase!r}")
+        requested = data.get("requested")
         return cls(
             claim_uid=str(data["claimUID"]),
-            phase=str(data["phase"]),
+            phase=phase,
             moved=tuple(
                 Moved(Bdf.parse(str(m["bdf"])), m.get("driver"), m.get("override"))
                 for m in data["moved"]
             ),
             reset_after_use=bool(data.get("resetAfterUse", False)),
+            requested=None if requested is None else tuple(Bdf.parse(str(b)) for b in requested),
         )
+
+    def asks_for(self, bdfs: Iterable[Bdf]) -> bool:
+        """Whether this entry is for the same functions (a retry, or a bind after a reboot)."""
+        wanted = set(bdfs)
+        if self.requested is None:
+            return wanted <= {m.bdf for m in self.moved}
+        return wanted == set(self.requested)
 
 
 class OnDemandBinder:
@@ -108,54 +134,66 @@ class OnDemandBinder:
         wait until `nodes_ready()`; on any failure put everything back and raise."""
         named = ", ".join(str(b) for b in bdfs)
         earlier = self._read(claim_uid)
-        if earlier is not None and earlier.phase == "binding":
-            # Its record of the drivers the functions had is the only one: never overwrite it.
-            raise BindingError(
-                f"an earlier bind for this claim failed and could not be undone"
-                f" ({_names(earlier.moved)}); the host needs a person (kubevirt-iommufd"
-                " inspect); the driver puts them back at its next start"
-            )
+        if earlier is not None:
+            _check_earlier(earlier, claim_uid, bdfs)
+        requests = [BindRequest(b, AUTO) for b in bdfs]
         with self._lock(f"DRA bind {named} for claim {claim_uid}") as lock:
-            planned = bind_devices(self._access, [BindRequest(b, AUTO) for b in bdfs], dry_run=True)
+            planned = bind_devices(self._access, requests, dry_run=True)
             if planned.status is Status.REFUSED:
                 raise BindingError(_refused(planned))
-            moved = tuple(Moved(m.bdf, m.from_driver, m.from_override) for m in planned.plan.moves)
+            entry = JournalEntry(
+                claim_uid,
+                "binding",
+                _merged(earlier, planned.plan.moves),
+                reset_after_use,
+                tuple(bdfs),
+            )
             # Durable before the first write: a crash from here on is undone at start-up.
-            self._record(JournalEntry(claim_uid, "binding", moved, reset_after_use))
-            outcome = bind_devices(self._access, [BindRequest(b, AUTO) for b in bdfs], lock=lock)
-            if outcome.status not in (Status.DONE, Status.NOTHING_TO_DO):
-                self._after_failed_bind(claim_uid, outcome, moved, lock)
+            self._record(entry)
+            try:
+                outcome = bind_devices(self._access, requests, lock=lock)
+                failure = _failure(outcome)
+                if failure is None and not self._wait_for(nodes_ready):
+                    failure = (
+                        f"{named} bound to VFIO but its device nodes did not appear within"
+                        f" {self._nodes_wait:.0f} s (is udev running on the node?)"
+                    )
+            except (HostdevError, OSError) as error:
+                failure = f"binding failed: {error}"
+            if failure is not None:
+                self._undo(entry, failure)
             # The plan under the lock is the truth: it may have found less to move.
-            moved = tuple(Moved(m.bdf, m.from_driver, m.from_override) for m in outcome.plan.moves)
-            if not self._wait_for(nodes_ready):
-                self._give_back(moved, lock, reset=False)
-                self._forget(claim_uid)
-                raise BindingError(
-                    f"{named} bound to VFIO but its device nodes did not appear within"
-                    f" {self._nodes_wait:.0f} s (is udev running on the node?); put back"
-                )
-            self._record(JournalEntry(claim_uid, "bound", moved, reset_after_use))
-        log.info("bound %s to VFIO for claim %s (%d functions moved)", named, claim_uid, len(moved))
-        return moved
+            entry = replace(entry, phase="bound", moved=_merged(earlier, outcome.plan.moves))
+            self._record(entry)
+        log.info(
+            "bound %s to VFIO for claim %s (%d functions moved)", named, claim_uid, len(entry.moved)
+        )
+        return entry.moved
 
     # Unprepare -------------------------------------------------------------------------------
     def release(self, claim_uid: str) -> None:
-        """Give a claim's functions back to the drivers they had; nothing when it moved none."""
+        """Give a claim's functions back to the drivers and overrides they had; nothing when it
+        moved none."""
         entry = self._read(claim_uid)
         if entry is None:
             return
-        with self._lock(f"DRA release for claim {claim_uid}") as lock:
-            self._give_back(entry.moved, lock, reset=entry.reset_after_use)
+        with self._lock(f"DRA release for claim {claim_uid}"):
+            returned = self._give_back(entry, reset=entry.reset_after_use)
+        if not all(r.ok for r in returned):
+            raise BindingError(
+                f"giving back failed: {_said(returned)}; the kubelet retries"
+                " (kubevirt-iommufd inspect shows where they are)"
+            )
         self._forget(claim_uid)
-        log.info("gave back %s after claim %s", _names(entry.moved), claim_uid)
+        log.info("gave back claim %s's functions: %s", claim_uid, _said(returned))
 
     def holds(self, claim_uid: str) -> bool:
         return self._read(claim_uid) is not None
 
     # Start-up --------------------------------------------------------------------------------
     def recover(self, prepared: Iterable[str]) -> list[str]:
-        """Put back what a bind interrupted, or what a claim no longer prepared still holds;
-        keep what prepared claims hold. Returns what was done, one line each."""
+        """Put back what a bind or give-back interrupted, or what a claim no longer prepared
+        still holds; keep what prepared claims hold. Returns what was done, one line each."""
         keep = set(prepared)
         done: list[str] = []
         for path in sorted(self._dir.glob("*.json")) if self._dir.is_dir() else ():
@@ -166,18 +204,30 @@ class OnDemandBinder:
                 continue
             if entry.phase == "bound" and entry.claim_uid in keep:
                 continue
-            why = (
-                "a bind was interrupted"
-                if entry.phase == "binding"
-                else "its claim is no longer prepared"
-            )
+            why = _WHY[entry.phase]
             try:
-                with self._lock(f"DRA recovery for claim {entry.claim_uid}") as lock:
-                    self._give_back(entry.moved, lock, reset=False)
+                with self._lock(f"DRA recovery for claim {entry.claim_uid}"):
+                    # A VM used them, unless the bind never finished.
+                    returned = self._give_back(
+                        entry, reset=entry.reset_after_use and entry.phase != "binding"
+                    )
+            except (BindingError, HostdevError, OSError) as error:
+                done.append(
+                    f"could not put back claim {entry.claim_uid}'s functions ({why}): {error};"
+                    f" {path} is kept and the next start tries again"
+                )
+                continue
+            if all(r.ok for r in returned):
                 self._forget(entry.claim_uid)
-                done.append(f"put {_names(entry.moved)} back for claim {entry.claim_uid}: {why}")
-            except (BindingError, HostdevError) as error:
-                done.append(f"could not put back claim {entry.claim_uid}'s devices: {error}")
+                done.append(
+                    f"put back claim {entry.claim_uid}'s functions ({why}): {_said(returned)}"
+                )
+            else:
+                done.append(
+                    f"could not put back all of claim {entry.claim_uid}'s functions ({why}):"
+                    f" {_said(returned)}; {path} is kept and the next start tries again"
+                    " (kubevirt-iommufd inspect shows where they are)"
+                )
         return done
 
     # Parts -----------------------------------------------------------------------------------
@@ -192,58 +242,45 @@ class OnDemandBinder:
                 raise BindingError(f"{error}; the kubelet retries") from error
             yield lock
 
-    def _after_failed_bind(
-        self, claim_uid: str, outcome: Outcome, moved: tuple[Moved, ...], lock: BindingLock
-    ) -> None:
-        if outcome.status is Status.REFUSED:
-            self._forget(claim_uid)
-            raise BindingError(_refused(outcome))
-        if outcome.status is Status.FAILED_RESTORED:
-            self._forget(claim_uid)
-            raise BindingError(f"binding failed and was undone: {outcome.error}")
-        # The journal keeps saying `binding`: the next start tries again to put it back.
-        raise BindingError(
-            f"binding failed and putting {_names(moved)} back failed too: {outcome.error};"
-            " the host needs a person (kubevirt-iommufd inspect)"
-        )
+    def _undo(self, entry: JournalEntry, failure: str) -> NoReturn:
+        """Put back what a failed bind moved, to where the journal says, and raise."""
+        try:
+            returned = self._give_back(entry, reset=False)
+        except (BindingError, HostdevError, OSError) as error:
+            raise BindingError(
+                f"{failure}; putting {_names(entry.moved)} back failed too: {error}; the driver"
+                " tries again at its next start (kubevirt-iommufd inspect shows where they are)"
+            ) from error
+        if not all(r.ok for r in returned):
+            # The journal keeps saying `binding`: the next start tries again to put it back.
+            raise BindingError(
+                f"{failure}; putting it back failed too: {_said(returned)}; the host needs a"
+                " person (kubevirt-iommufd inspect); the driver tries again at its next start"
+            )
+        self._forget(entry.claim_uid)
+        raise BindingError(f"{failure}; undone: {_names(entry.moved)} put back")
 
-    def _give_back(self, moved: Sequence[Moved], lock: BindingLock, *, reset: bool) -> None:
-        if reset:
-            self._reset(moved)
-        inventory = scan_host(self._access.root)
-        to_none = [m.bdf for m in moved if m.driver is None or is_vfio_driver(m.driver)]
-        to_native = [m.bdf for m in moved if m.bdf not in to_none]
-        for bdfs, reprobe in ((to_none, False), (to_native, True)):
-            wanted = [
-                b
-                for b in bdfs
-                if (f := inventory.function(b)) is not None and is_vfio_driver(f.driver)
-            ]
-            if not wanted:
-                continue
-            outcome = unbind_devices(self._access, wanted, reprobe=reprobe, lock=lock)
-            if outcome.status not in (Status.DONE, Status.NOTHING_TO_DO):
-                raise BindingError(
-                    f"giving back {', '.join(map(str, wanted))} failed:"
-                    f" {_refused(outcome) if outcome.status is Status.REFUSED else outcome.error}"
-                )
-        after = scan_host(self._access.root)
-        for item in moved:
-            function = after.function(item.bdf)
-            now = function.driver if function else None
-            if item.driver is not None and not is_vfio_driver(item.driver) and now != item.driver:
-                log.warning(
-                    "%s went back to %s, not to %s, which it had before the claim",
-                    item.bdf,
-                    now or "no driver",
-                    item.driver,
-                )
+    def _give_back(self, entry: JournalEntry, *, reset: bool) -> tuple[Returned, ...]:
+        """Every function of the entry back where it was. Nothing is written while one is still
+        open; then `releasing` is journalled before the first write, so a give-back killed
+        midway is finished at the next start even if its claim is still prepared."""
+        wanted = {m.bdf: FunctionState(m.driver, m.override) for m in reversed(entry.moved)}
+        try:
+            check_free(self._access, wanted)
+            if entry.phase == "bound":
+                self._record(replace(entry, phase="releasing"))
+            if reset:
+                self._reset(entry.moved)
+            return give_back(self._access, wanted)
+        except GiveBackRefused as error:
+            raise BindingError(str(error)) from error
 
     def _reset(self, moved: Sequence[Moved]) -> None:
+        """Reset what is still on VFIO: a function already back on its host driver is in use."""
         inventory = scan_host(self._access.root)
         for item in moved:
             function = inventory.function(item.bdf)
-            if function is None:
+            if function is None or not is_vfio_driver(function.driver):
                 continue
             result = reset_function(
                 self._access.root, function, inventory.group_of(function), self._access.writer
@@ -283,6 +320,43 @@ class OnDemandBinder:
             sync_directory(self._dir)
 
 
+def _check_earlier(earlier: JournalEntry, claim_uid: str, bdfs: Sequence[Bdf]) -> None:
+    """Refuse a bind that would overwrite the only record of where functions were."""
+    if earlier.phase == "binding":
+        raise BindingError(
+            f"an earlier bind for this claim failed and could not be undone"
+            f" ({_names(earlier.moved)}); the host needs a person (kubevirt-iommufd"
+            " inspect); the driver puts them back at its next start"
+        )
+    if not earlier.asks_for(bdfs):
+        held = ", ".join(str(b) for b in earlier.requested or (m.bdf for m in earlier.moved))
+        raise BindingError(
+            f"claim {claim_uid} already has {held} bound to VFIO and now asks for"
+            f" {', '.join(map(str, bdfs))}; a claim's allocation never changes, so this is"
+            " refused and the first binding kept (delete and recreate the claim)"
+        )
+
+
+def _merged(earlier: JournalEntry | None, moves: Iterable[Move]) -> tuple[Moved, ...]:
+    """The functions moved for a claim with where they were before it: an earlier bind's
+    record of a function (a bind again after a reboot, or over an interrupted give-back) is
+    the one from before the claim."""
+    kept = earlier.moved if earlier is not None else ()
+    known = {m.bdf for m in kept}
+    return (
+        *kept,
+        *(Moved(m.bdf, m.from_driver, m.from_override) for m in moves if m.bdf not in known),
+    )
+
+
+def _failure(outcome: Outcome) -> str | None:
+    if outcome.status in (Status.DONE, Status.NOTHING_TO_DO):
+        return None
+    if outcome.status is Status.REFUSED:
+        return _refused(outcome)
+    return f"binding failed: {outcome.error}"
+
+
 def _refused(outcome: Outcome) -> str:
     """The planner's refusals, with its advice for a person at a shell (`--wait`) turned into
     what holds for a claim: the kubelet asks again."""
@@ -300,3 +374,7 @@ def _refused(outcome: Outcome) -> str:
 
 def _names(moved: Iterable[Moved]) -> str:
     return ", ".join(f"{m.bdf} (to {m.driver or 'no driver'})" for m in moved)
+
+
+def _said(returned: Iterable[Returned]) -> str:
+    return "; ".join(map(str, returned))

@@ -1,7 +1,8 @@
 """A fixture tree that behaves like the kernel when written: a `SysfsWriter` (and a modprobe
 runner) reacting to `driver_override`, `unbind`, `bind`, `drivers_probe`, `reset` and the NVIDIA
 `unbindLock` by moving the tree's symlinks as Linux would (sim.host.bind_driver /
-unbind_driver), with the kernel's errnos for what it would refuse, and failures to inject."""
+unbind_driver), with the kernel's errnos for what it would refuse, and faults to inject: a write
+that fails, or the writing process dying (SIGKILL) at a given write."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ from sim.host import bind_driver, unbind_driver
 
 Condition = Callable[[str, str], bool]
 """(path relative to the root, text) -> whether this write fails."""
+
+
+class ProcessKilled(BaseException):
+    """The writing process died (SIGKILL) at a sysfs write. A BaseException, so no `except
+    Exception` of the code under test catches it, as nothing in a process catches SIGKILL."""
+
+
+def die_by_exception() -> None:
+    raise ProcessKilled("killed (simulated SIGKILL) at a sysfs write")
 
 
 def oserror(code: int) -> OSError:
@@ -39,22 +49,55 @@ class KernelSimulator:
     """Loading a VFIO driver brings up the legacy container `/dev/vfio/vfio`
     (CONFIG_VFIO_CONTAINER), as the vfio module does."""
     commands: list[list[str]] = field(default_factory=list)
+    die: Callable[[], None] = die_by_exception
+    """How the writing process dies at a `kill_after` point: raising ProcessKilled, or (in a
+    child process) a real SIGKILL."""
     _failures: list[tuple[Condition, int]] = field(default_factory=list)
+    _taken: int = 0
+    """Writes that took effect."""
+    _die_when_taken: int | None = None
 
     def fail(self, when: Condition, code: int = errno.EIO) -> None:
         """Every later write for which `when` holds fails with `code`."""
         self._failures.append((when, code))
 
+    def fail_at(self, number: int, code: int = errno.EIO, *, and_after: bool = False) -> None:
+        """The `number`-th write from now (1 is the next) fails with `code`; with `and_after`,
+        so does every write after it."""
+        first = len(self.writes) + number
+
+        def failing(_path: str, _text: str) -> bool:
+            count = len(self.writes)  # with the write being judged
+            return count == first or (and_after and count > first)
+
+        self.fail(failing, code)
+
     def clear_failures(self) -> None:
         self._failures.clear()
 
+    def kill_after(self, count: int) -> None:
+        """The writing process dies (`die`) right after `count` more writes have taken effect;
+        with 0, at the next write, before it does."""
+        self._die_when_taken = self._taken + count
+
     # SysfsWriter ----------------------------------------------------------------------------
     def write(self, path: Path, text: str) -> None:
+        self._maybe_die()
         rel = str(path.relative_to(self.root))
         self.writes.append((rel, text))
         for when, code in self._failures:
             if when(rel, text):
                 raise oserror(code)
+        self._apply(rel, text)
+        self._taken += 1
+        self._maybe_die()
+
+    def _maybe_die(self) -> None:
+        if self._die_when_taken == self._taken:
+            self._die_when_taken = None
+            self.die()
+
+    def _apply(self, rel: str, text: str) -> None:
         parts = rel.split("/")
         value = text.strip()
         if rel == "sys/bus/pci/drivers_probe":

@@ -32,13 +32,13 @@ from hostdev.binding.plan import (
     WriteKind,
     group_closure,
     plan_bind,
-    plan_restore,
+    plan_return,
     plan_unbind,
     plan_writes,
     with_registered_names,
 )
 from hostdev.binding.sysfs_write import KernelSysfs, SysfsWriter
-from hostdev.binding.usage import read_override, read_usage
+from hostdev.binding.usage import FunctionState, read_override, read_usage
 from hostdev.model import HostInventory
 from hostdev.scan import scan_host
 
@@ -387,11 +387,13 @@ class _Transaction:
         # Locks taken for moves never started are released too.
         undo = list(self.touched) + [m for m in self.locked if m.bdf not in touched]
         for move in reversed(undo):
-            lock_taken = move in self.locked
-            current = _driver_of(self.access.root, move.bdf)
-            writes = plan_restore(move, current, lock_taken)
-            if move.bdf not in touched:
-                writes = tuple(w for w in writes if w.kind is WriteKind.UNLOCK)
+            now = FunctionState(
+                _driver_of(self.access.root, move.bdf),
+                read_override(self.access.root, move.bdf),
+                unbind_locked=move in self.locked,
+            )
+            wanted = FunctionState(move.from_driver, move.from_override)
+            writes = plan_return(move.bdf, now, wanted)
             problems: list[str] = []
             for write in writes:
                 try:

@@ -26,7 +26,7 @@ from hostdev.binding.driver_match import (
     same_driver,
 )
 from hostdev.binding.holders import Holder
-from hostdev.binding.usage import FunctionUsage
+from hostdev.binding.usage import FunctionState, FunctionUsage
 from hostdev.model import HostInventory, PciFunction, is_group_safe_driver, is_vfio_driver
 
 AUTO = "auto"
@@ -310,24 +310,41 @@ def plan_writes(move: Move) -> tuple[Write, ...]:
     return tuple(writes)
 
 
-def plan_restore(move: Move, current_driver: str | None, lock_taken: bool) -> tuple[Write, ...]:
-    """The writes that put a function back as it was before `move`, from where it is now."""
-    bdf = str(move.bdf)
+def plan_return(bdf: Bdf, now: FunctionState, wanted: FunctionState) -> tuple[Write, ...]:
+    """The writes that take a function from `now` to `wanted`'s driver and override with the
+    NVIDIA unbind lock released; none when it is there. Each write is one the kernel takes
+    from any state a killed run can leave, so a run killed anywhere in them can start over."""
     device = f"sys/bus/pci/devices/{bdf}"
-    moved = not same_driver(current_driver, move.from_driver)
+    moving = not same_driver(now.driver, wanted.driver)
     writes: list[Write] = []
-    if moved and current_driver is not None:
-        writes.append(Write(WriteKind.UNBIND, move.bdf, f"{device}/driver/unbind", bdf))
-    writes.append(
-        Write(WriteKind.OVERRIDE, move.bdf, f"{device}/driver_override", move.from_override or "\n")
-    )
-    if moved and move.from_driver is not None:
-        path = f"sys/bus/pci/drivers/{move.from_driver}/bind"
-        writes.append(Write(WriteKind.BIND, move.bdf, path, bdf))
-    if lock_taken and not moved:
-        # Still on the NVIDIA driver, holding the lock we took; a rebind made a fresh one.
-        writes.append(_unbind_lock(move.bdf, "0"))
+    if moving and now.driver is not None:
+        writes.append(Write(WriteKind.UNBIND, bdf, f"{device}/driver/unbind", str(bdf)))
+    # The kernel binds a device only to the driver its override names, so an override naming
+    # another driver (set after the bind, say) goes on last.
+    early = wanted.override
+    if (
+        moving
+        and wanted.driver is not None
+        and wanted.override is not None
+        and not same_driver(wanted.override, wanted.driver)
+    ):
+        early = None
+    if early != now.override:
+        writes.append(_override(bdf, early))
+    if moving and wanted.driver is not None:
+        path = f"sys/bus/pci/drivers/{wanted.driver}/bind"
+        writes.append(Write(WriteKind.BIND, bdf, path, str(bdf)))
+    if early != wanted.override:
+        writes.append(_override(bdf, wanted.override))
+    if now.unbind_locked and not moving:
+        # Still on the NVIDIA driver with the lock taken; a rebind makes a fresh one.
+        writes.append(_unbind_lock(bdf, "0"))
     return tuple(writes)
+
+
+def _override(bdf: Bdf, override: str | None) -> Write:
+    path = f"sys/bus/pci/devices/{bdf}/driver_override"
+    return Write(WriteKind.OVERRIDE, bdf, path, override or "\n")
 
 
 def _unbind_lock(bdf: Bdf, value: str) -> Write:

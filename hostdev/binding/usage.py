@@ -36,6 +36,17 @@ class FunctionUsage:
     """The NVIDIA driver offers `/proc/driver/nvidia/gpus/<BDF>/unbindLock`."""
 
 
+@dataclass(frozen=True, slots=True)
+class FunctionState:
+    """Where a function is, as far as binding goes."""
+
+    driver: str | None
+    override: str | None
+    """`driver_override`, None when unset."""
+    unbind_locked: bool = False
+    """The NVIDIA driver's unbind lock on it is taken."""
+
+
 def read_usage(
     root: Path, inventory: HostInventory, bdfs: Iterable[Bdf]
 ) -> dict[Bdf, FunctionUsage]:
@@ -58,6 +69,19 @@ def read_usage(
             and (nvidia_proc_dir(root, function.bdf) / "unbindLock").exists(),
         )
     return usage
+
+
+def read_function_state(root: Path, bdf: Bdf) -> FunctionState:
+    device = root / "sys/bus/pci/devices" / str(bdf)
+    try:
+        driver: str | None = (device / "driver").readlink().name
+    except FileNotFoundError:
+        driver = None
+    try:
+        lock = (nvidia_proc_dir(root, bdf) / "unbindLock").read_text().strip()
+    except FileNotFoundError:
+        lock = ""
+    return FunctionState(driver, read_override(root, bdf), unbind_locked=lock == "1")
 
 
 def read_override(root: Path, bdf: Bdf) -> str | None:

@@ -18,6 +18,17 @@ checks play the scheduler and allocate claims by hand.
               the driver and override stay as they were
   stop        SIGTERM: exit 0, its sockets gone
 
+Before those, the driver is killed mid-bind twice on the real kernel (issue 19), through the
+test-only switch KUBEVIRT_IOMMUFD_TEST_SIGKILL_AFTER (hostdev.binding.sysfs_write), which makes
+it SIGKILL itself right after its first write to the named attribute; each next start must put
+the device back exactly where it was, driver and driver_override, and log what it wrote:
+
+  kill A      from no driver, killed right after `driver_override` (vfio-pci); the next start
+              clears the override and leaves it on no driver
+  kill B      on uio_pci_generic (driver_override uio_pci_generic), killed right after the
+              unbind from it, the device on no driver; the next start (the run of the checks
+              above) binds it back to uio_pci_generic with its override
+
 The /dev/iommu fd comes from the device plugin's hand-off (deviceplugin.iommufd_handoff: opened,
 per-process memlock accounting set, served once over a unix socket, received with SCM_RIGHTS as
 KubeVirt's launcher does), run in this process: the plugin process starts only after these
@@ -39,12 +50,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 import uapi
 from guestkit import CLI, PCI, CheckFailed, Edu, Runner, receive_fd, require, say
 
 from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from dra.devices import device_name
 from hostdev.bdf import Bdf
+from hostdev.binding.sysfs_write import SIGKILL_AFTER_ENV
 from sim.apiserver import (
     AllocatedDevice,
     ApiServerStandIn,
@@ -135,9 +148,14 @@ class DraRun:
 
 def check_dra_on_demand(run: Runner, edu: Edu, scratch: Path) -> None:
     """All the DRA checks on `edu`, which must be on no driver; it is left on no driver."""
-    work = scratch / "dra"
-    with _dra_driver(work) as dra:
+    state_dir = scratch / "dra-state"
+    killed = _check_kills(run, edu, scratch, state_dir)
+    with _dra_driver(scratch / "dra", state_dir) as dra:
         name = device_name(Bdf.parse(edu.bdf))
+        if killed is not None:
+            _check_put_back_on_host_driver(run, edu, dra, name, killed)
+        else:
+            run.skip(f"DRA driver restarted puts {edu.bdf} back on {HOST_DRIVER}", "not killed")
         if _check_publish(run, edu, dra, name):
             claim = _check_prepare(run, edu, dra, name)
             if claim is not None:
@@ -152,7 +170,7 @@ def check_dra_on_demand(run: Runner, edu: Edu, scratch: Path) -> None:
     with run.check("DRA driver stops on SIGTERM with exit 0") as check:
         code = dra.process.returncode
         require(code == 0, f"exit {code}\n{dra.log_tail()}")
-        left = sorted(str(p) for p in (work / "kubelet").rglob("*.sock"))
+        left = sorted(str(p) for p in (scratch / "dra" / "kubelet").rglob("*.sock"))
         require(not left, f"sockets left behind: {left}")
         problems = [
             line.split(" ", 3)[-1][:160]
@@ -163,8 +181,10 @@ def check_dra_on_demand(run: Runner, edu: Edu, scratch: Path) -> None:
 
 
 @contextmanager
-def _dra_driver(work: Path) -> Iterator[DraRun]:
-    """The stand-ins in this process, the driver as a child; SIGTERM to it at the end."""
+def _dra_driver(work: Path, state_dir: Path, kill_after: str | None = None) -> Iterator[DraRun]:
+    """The stand-ins in this process, the driver as a child; SIGTERM to it at the end. Every
+    run shares `state_dir`, as a restarted driver does; with `kill_after`, the driver SIGKILLs
+    itself right after its first write to that sysfs attribute."""
     work.mkdir(parents=True)
     config = work / "dra.json"
     config.write_text(
@@ -198,16 +218,20 @@ def _dra_driver(work: Path) -> Iterator[DraRun]:
             "--cdi-dir",
             str(work / "cdi"),
             "--state-dir",
-            str(work / "state"),
+            str(state_dir),
             "--feature-file",
             "none",
         ]
-        say("$ " + shlex.join(argv))
+        env = dict(os.environ)
+        if kill_after is not None:
+            env[SIGKILL_AFTER_ENV] = kill_after
+        killing = f"{SIGKILL_AFTER_ENV}={kill_after} " if kill_after is not None else ""
+        say(f"$ {killing}{shlex.join(argv)}")
         log_path = work / "dra.log"
         spawned = time.time()
         with log_path.open("wb") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        dra = DraRun(api, kubelet, process, work / "cdi", work / "state", log_path, spawned)
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        dra = DraRun(api, kubelet, process, work / "cdi", state_dir, log_path, spawned)
         try:
             yield dra
         finally:
@@ -217,6 +241,117 @@ def _dra_driver(work: Path) -> Iterator[DraRun]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _check_kills(run: Runner, edu: Edu, scratch: Path, state_dir: Path) -> Claim | None:
+    """Kill A, its recovery, then kill B; the claim of kill B, its device on no driver with
+    driver_override vfio-pci, or None when a step failed."""
+    name = device_name(Bdf.parse(edu.bdf))
+    killed = None
+    title = f"DRA driver SIGKILLed mid-bind right after writing {edu.bdf}'s driver_override"
+    with run.check(title) as check:
+        require(edu.driver() is None, f"{edu.bdf} starts on {edu.driver()}, not on no driver")
+        with _dra_driver(scratch / "dra-kill-a", state_dir, "driver_override") as dra:
+            dra.kubelet.wait_registered(DRIVER, timeout=START_TIMEOUT_S)
+            _wait(lambda: dra.current_driver(name) == "", START_TIMEOUT_S, "published", dra)
+            claim = dra.allocate(name)
+            answer = _prepare_killed(dra, claim)
+            _require_stranded(edu, dra)
+            killed = claim
+        check.detail = (
+            f"NodePrepare {answer}; {edu.bdf} left on no driver, driver_override vfio-pci"
+        )
+    if killed is None:
+        return None
+    first, killed = killed, None
+    title = (
+        f"DRA driver restarted clears {edu.bdf}'s driver_override; SIGKILLed right after"
+        f" unbinding it from {HOST_DRIVER} on the next bind"
+    )
+    with run.check(title) as check:
+        with _dra_driver(scratch / "dra-kill-b", state_dir, "unbind") as dra:
+            dra.kubelet.wait_registered(DRIVER, timeout=START_TIMEOUT_S)
+            require(edu.driver() is None, f"{edu.bdf} is on {edu.driver()}, not on no driver")
+            require(_override(edu) == "(null)", f"driver_override {_override(edu)!r}")
+            require(not dra.journal(), f"binding journal left: {dra.journal()}")
+            said = _recovery_line(dra, first)
+            require(
+                "cleared driver_override; now on no driver (driver_override (null))" in said,
+                f"the log says {said!r}",
+            )
+            (edu.sysfs / "driver_override").write_text(HOST_DRIVER)
+            (PCI / "drivers_probe").write_text(edu.bdf)
+            require(edu.driver() == HOST_DRIVER, f"{edu.bdf} did not bind to {HOST_DRIVER}")
+            _wait(
+                lambda: dra.current_driver(name) == HOST_DRIVER,
+                SETTLE_TIMEOUT_S,
+                f"published with currentDriver {HOST_DRIVER}",
+                dra,
+            )
+            claim = dra.allocate(name)
+            answer = _prepare_killed(dra, claim)
+            _require_stranded(edu, dra)
+            killed = claim
+        check.detail = (
+            f"start-up recovery: {said!r}; then NodePrepare {answer}; {edu.bdf} left on no"
+            " driver, driver_override vfio-pci"
+        )
+    return killed
+
+
+def _check_put_back_on_host_driver(
+    run: Runner, edu: Edu, dra: DraRun, name: str, killed: Claim
+) -> None:
+    """The run of the other checks starts over kill B's journal; the device is then put back
+    on no driver for them."""
+    title = f"DRA driver restarted binds {edu.bdf} back to {HOST_DRIVER} with its override"
+    with run.check(title) as check:
+        try:
+            dra.kubelet.wait_registered(DRIVER, timeout=START_TIMEOUT_S)
+            where = (edu.driver(), _override(edu))
+            require(where == (HOST_DRIVER, HOST_DRIVER), f"{edu.bdf} is on {where}")
+            require(not dra.journal(), f"binding journal left: {dra.journal()}")
+            said = _recovery_line(dra, killed)
+            wanted = f"bound to {HOST_DRIVER}; now on {HOST_DRIVER} (driver_override {HOST_DRIVER})"
+            require(wanted in said, f"the log says {said!r}")
+            check.detail = f"start-up recovery: {said!r}"
+        finally:
+            if edu.driver() == HOST_DRIVER:
+                (edu.sysfs / "driver" / "unbind").write_text(edu.bdf)
+            (edu.sysfs / "driver_override").write_text("\n")
+
+
+def _prepare_killed(dra: DraRun, claim: Claim) -> str:
+    """NodePrepare, which the driver must not survive: how the call ended."""
+    try:
+        result = dra.kubelet.node_prepare_resources([claim])[claim.uid]
+        answer = f"answered {result.error or 'prepared'!r}"
+    except grpc.RpcError as error:
+        answer = f"failed with {error.code().name}"
+    try:
+        code = dra.process.wait(timeout=SETTLE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise CheckFailed(
+            f"NodePrepare {answer}; the driver still runs\n{dra.log_tail()}"
+        ) from None
+    require(code == -signal.SIGKILL, f"NodePrepare {answer}; driver exit {code}\n{dra.log_tail()}")
+    return answer
+
+
+def _require_stranded(edu: Edu, dra: DraRun) -> None:
+    """Where a driver killed mid-bind leaves the device, with its journal saying `binding`."""
+    require(edu.driver() is None, f"{edu.bdf} is on {edu.driver()} after the kill")
+    require(_override(edu) == "vfio-pci", f"driver_override {_override(edu)!r} after the kill")
+    entries = [json.loads((dra.state_dir / "bindings" / n).read_text()) for n in dra.journal()]
+    require([e["phase"] for e in entries] == ["binding"], f"binding journal {entries}")
+
+
+def _recovery_line(dra: DraRun, claim: Claim) -> str:
+    start = f"start-up recovery: put back claim {claim.uid}'s functions (a bind was interrupted)"
+    for line in dra.log_path.read_text(errors="replace").splitlines():
+        if start in line:
+            return line.split("start-up recovery: ", 1)[1]
+    raise CheckFailed(f"no line with {start!r} in the driver's log\n{dra.log_tail()}")
 
 
 def _check_publish(run: Runner, edu: Edu, dra: DraRun, name: str) -> bool:
