@@ -40,7 +40,7 @@ def device_cdi_name(claim_uid: str, device: str) -> str:
     return f"{claim_uid}-{device}"
 
 
-def metadata_request(request: str) -> str:
+def main_request(request: str) -> str:
     """The request whose directory holds a result's metadata: for a subrequest of a
     prioritized-list request (`<request>/<subrequest>`) the main request, as KEP-5304 lays it out
     and KubeVirt reads it; the document inside names the subrequest."""
@@ -88,7 +88,7 @@ def build_metadata(
     }
     if allocation.pod_claim_name:
         document["podClaimName"] = allocation.pod_claim_name
-    items = [d for d in allocation.devices if metadata_request(d.request) == request]
+    items = [d for d in allocation.devices if main_request(d.request) == request]
     document["requests"] = [
         {
             "name": name,
@@ -149,5 +149,5 @@ def build_cdi_ids(driver: str, claim_uid: str, device: Allocated) -> tuple[str, 
     """What the kubelet hands the runtime for one device: its nodes and its request's metadata."""
     return (
         cdi_id(driver, device_cdi_name(claim_uid, device.device)),
-        cdi_id(driver, metadata_cdi_name(claim_uid, metadata_request(device.request))),
+        cdi_id(driver, metadata_cdi_name(claim_uid, main_request(device.request))),
     )

@@ -22,10 +22,10 @@ from dra.cdi import (
     build_cdi_ids,
     build_metadata,
     build_spec,
+    main_request,
     metadata_container_base,
     metadata_container_path,
     metadata_file_name,
-    metadata_request,
     spec_file_name,
 )
 from dra.claims import Allocated, ClaimAllocation, ClaimRef
@@ -178,7 +178,7 @@ def _write_plan(
     ref = allocation.ref
     files: list[FileToWrite] = []
     metadata_paths: dict[str, str] = {}
-    for request in sorted({metadata_request(d.request) for d in allocation.devices}):
+    for request in sorted({main_request(d.request) for d in allocation.devices}):
         path = paths.metadata(ref.uid, request, driver)
         misplaced = _misplaced(allocation, request, path, driver, paths)
         if misplaced is not None:
@@ -227,7 +227,7 @@ def _duplicate(allocation: ClaimAllocation, driver: str) -> str | None:
             )
         if bdf is not None:
             by_bdf[bdf] = item
-        request = metadata_request(item.request)
+        request = main_request(item.request)
         first = by_file.setdefault(request, item)
         if first.request != item.request:
             return (
