@@ -4,12 +4,12 @@ One spec file per claim. It names, per device, the VFIO nodes the container need
 /dev/iommu where the device can use iommufd, and always the legacy container and group node,
 which KubeVirt's DRA path opens (and chowns for QEMU only when /dev/vfio/vfio is in the pod).
 Beside the devices, one entry per request mounts that request's metadata file where KubeVirt
-reads the device's PCI address.
+reads the device's PCI address. Entry names cannot clash: a device's is its name in the slice
+(`pci-…`, once per device), a metadata entry's the request's (`metadata-…`, once per request).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
@@ -20,7 +20,6 @@ from dra.devices import DraDevice, typed_attributes
 CDI_VERSION = "0.6.0"
 METADATA_API_VERSION = "metadata.resource.k8s.io/v1alpha1"
 METADATA_ROOT = PurePosixPath("/var/run/kubernetes.io/dra-device-attributes")
-_NOT_CDI_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
 Object = dict[str, Any]
 
 
@@ -41,8 +40,16 @@ def device_cdi_name(claim_uid: str, device: str) -> str:
     return f"{claim_uid}-{device}"
 
 
+def main_request(request: str) -> str:
+    """The request whose directory holds a result's metadata: for a subrequest of a
+    prioritized-list request (`<request>/<subrequest>`) the main request, as KEP-5304 lays it out
+    and KubeVirt reads it; the document inside names the subrequest."""
+    return request.partition("/")[0]
+
+
 def metadata_cdi_name(claim_uid: str, request: str) -> str:
-    return f"{claim_uid}-metadata-{_NOT_CDI_NAME.sub('_', request)}"
+    """The CDI name of the mount of `request`'s metadata (a main request: a DNS label)."""
+    return f"{claim_uid}-metadata-{request}"
 
 
 def cdi_id(driver: str, name: str) -> str:
@@ -50,21 +57,24 @@ def cdi_id(driver: str, name: str) -> str:
     return f"{cdi_kind(driver)}={name}"
 
 
+def metadata_container_base(allocation: ClaimAllocation) -> PurePosixPath:
+    """The directory of the pod's claims whose metadata the container sees."""
+    kind = "resourceclaimtemplates" if allocation.pod_claim_name else "resourceclaims"
+    return METADATA_ROOT / kind
+
+
 def metadata_container_path(allocation: ClaimAllocation, request: str, driver: str) -> str:
-    """Where KubeVirt looks for a request's metadata: under the pod's own name for a claim made
-    from a template, under the claim's name otherwise."""
-    if allocation.pod_claim_name:
-        base = METADATA_ROOT / "resourceclaimtemplates" / allocation.pod_claim_name
-    else:
-        base = METADATA_ROOT / "resourceclaims" / allocation.ref.name
-    return str(base / request / metadata_file_name(driver))
+    """Where KubeVirt looks for a main request's metadata: under the pod's own name for a claim
+    made from a template, under the claim's name otherwise."""
+    name = allocation.pod_claim_name or allocation.ref.name
+    return str(metadata_container_base(allocation) / name / request / metadata_file_name(driver))
 
 
 def build_metadata(
     allocation: ClaimAllocation, request: str, driver: str, devices: Mapping[str, DraDevice]
 ) -> Object:
-    """The KEP-5304 DeviceMetadata document for one request of the claim; `devices` are the
-    host's devices by the allocation's names for them."""
+    """The KEP-5304 DeviceMetadata document for one main request of the claim; `devices` are
+    the host's devices by the allocation's names for them."""
     ref = allocation.ref
     document: Object = {
         "apiVersion": METADATA_API_VERSION,
@@ -78,9 +88,10 @@ def build_metadata(
     }
     if allocation.pod_claim_name:
         document["podClaimName"] = allocation.pod_claim_name
+    items = [d for d in allocation.devices if main_request(d.request) == request]
     document["requests"] = [
         {
-            "name": request,
+            "name": name,
             "devices": [
                 {
                     "driver": driver,
@@ -88,10 +99,11 @@ def build_metadata(
                     "name": item.device,
                     "attributes": typed_attributes(devices[item.device].attributes),
                 }
-                for item in allocation.devices
-                if item.request == request
+                for item in items
+                if item.request == name
             ],
         }
+        for name in sorted({item.request for item in items})
     ]
     return document
 
@@ -103,17 +115,17 @@ def build_spec(
     metadata_host_paths: Mapping[str, str],
 ) -> Object:
     """The claim's CDI spec: one entry per device with its nodes (`devices` by the allocation's
-    names for them), one per request with the read-only mount of that request's metadata file
-    (host path by request name)."""
+    names for them), one per main request with the read-only mount of that request's metadata
+    file (host path by main request name)."""
     uid = allocation.ref.uid
     entries: list[Object] = [
         {
-            "name": device_cdi_name(uid, item.device),
+            "name": device_cdi_name(uid, name),
             "containerEdits": {
-                "deviceNodes": [{"path": node} for node in devices[item.device].device_nodes]
+                "deviceNodes": [{"path": node} for node in devices[name].device_nodes]
             },
         }
-        for item in allocation.devices
+        for name in dict.fromkeys(item.device for item in allocation.devices)
     ]
     entries += [
         {
@@ -137,5 +149,5 @@ def build_cdi_ids(driver: str, claim_uid: str, device: Allocated) -> tuple[str, 
     """What the kubelet hands the runtime for one device: its nodes and its request's metadata."""
     return (
         cdi_id(driver, device_cdi_name(claim_uid, device.device)),
-        cdi_id(driver, metadata_cdi_name(claim_uid, device.request)),
+        cdi_id(driver, metadata_cdi_name(claim_uid, main_request(device.request))),
     )

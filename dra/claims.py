@@ -7,6 +7,7 @@ The kubelet names only namespace, name and UID; the allocation the scheduler wro
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,6 +21,14 @@ MAX_RESULTS = 4 * API_MAX_RESULTS
 MAX_TEXT = 1024
 """Names in a claim are DNS labels or subdomains (at most 253 characters), requests at most
 `request/subrequest`."""
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_REQUEST_NAME = re.compile(rf"{_DNS_LABEL}(/{_DNS_LABEL})?")
+"""What the API allows in a result's `request` (k8s.io/kubernetes pkg/apis/resource/validation):
+a request name, or `<request>/<subrequest>` for the subrequest of a prioritized-list request that
+was allocated; each a DNS label. Request names become metadata paths."""
+_POD_CLAIM_NAME = re.compile(_DNS_LABEL)
+"""`pod.spec.resourceClaims[].name` as the API allows it; it becomes the metadata's path in the
+container."""
 
 
 class ClaimError(Exception):
@@ -76,9 +85,7 @@ def parse_allocation(claim: object, ref: ClaimRef, driver: str, pool: str) -> Cl
     annotations = _object(metadata.get("annotations"), ref, "metadata.annotations")
     pod_claim_name = annotations.get(POD_CLAIM_NAME_ANNOTATION)
     if pod_claim_name is not None:
-        pod_claim_name = _text(
-            pod_claim_name, ref, f"metadata.annotations[{POD_CLAIM_NAME_ANNOTATION}]"
-        )
+        pod_claim_name = _pod_claim_name(pod_claim_name, ref)
     status = _object(document.get("status"), ref, "status")
     allocation = _object(status.get("allocation"), ref, "status.allocation")
     if not allocation:
@@ -99,7 +106,11 @@ def parse_allocation(claim: object, ref: ClaimRef, driver: str, pool: str) -> Cl
             " something other than the API server answering?)"
         )
     parsed = [_result(r, ref, f"{field}[{i}]") for i, r in enumerate(results)]
-    ours = [r for r in parsed if r.driver == driver]
+    ours = [
+        _checked_request(r, ref, f"{field}[{i}]")
+        for i, r in enumerate(parsed)
+        if r.driver == driver
+    ]
     if not ours:
         drivers = sorted({r.driver for r in parsed}) or ["none"]
         raise ClaimError(
@@ -127,6 +138,31 @@ class _Result:
     pool: str
     request: str
     device: str
+
+
+def _checked_request(result: _Result, ref: ClaimRef, field: str) -> _Result:
+    if not _REQUEST_NAME.fullmatch(result.request):
+        raise ClaimError(
+            f"{ref}: {field}.request is {quote_untrusted(result.request, 80)}: not a request"
+            " name the API allows (a DNS label, or <request>/<subrequest> for a subrequest of a"
+            " prioritized-list request); it would become a metadata path, so it is refused; the"
+            " API server never sends this; something other than the API server answered"
+        )
+    return result
+
+
+def _pod_claim_name(value: object, ref: ClaimRef) -> str:
+    field = f"metadata.annotations[{POD_CLAIM_NAME_ANNOTATION}]"
+    name = _text(value, ref, field)
+    if not _POD_CLAIM_NAME.fullmatch(name):
+        # Not the API's own check: users may edit a claim's annotations.
+        raise ClaimError(
+            f"{ref}: {field} is {quote_untrusted(name, 80)}: not a pod's claim name (a DNS"
+            " label, as pod.spec.resourceClaims[].name); it would become the metadata's path in"
+            " the container, so it is refused; the claim controller sets it for a claim made"
+            " from a template: remove or correct the annotation and recreate the pod"
+        )
+    return name
 
 
 def _result(value: object, ref: ClaimRef, field: str) -> _Result:

@@ -5,6 +5,9 @@ What to do comes in two kinds: devices on their host drivers are bound to VFIO f
 claim is planned again with the devices as the bind left them), and devices on VFIO get their
 files (CDI spec, metadata per request) and the claim's record. Every refusal names the claim,
 the device and the fix.
+
+Claim data becomes paths (request names, the pod's name for the claim): however it was checked
+on the way in, every path made of it is checked here to lie where it belongs.
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from dra.cdi import (
     build_cdi_ids,
     build_metadata,
     build_spec,
+    main_request,
+    metadata_container_base,
+    metadata_container_path,
     metadata_file_name,
     spec_file_name,
 )
@@ -30,6 +36,7 @@ from hostdev.untrusted import quote_untrusted
 
 GONE = "gone from the host"
 """Why a function the host no longer has cannot be given to a VM."""
+NOT_FROM_THE_API = "the API server never sends this; something other than the API server answered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,7 @@ class Paths:
         return self.metadata_dir / uid
 
     def metadata(self, uid: str, request: str, driver: str) -> Path:
+        """The host file of a main request's metadata."""
         return self.metadata_root(uid) / request / metadata_file_name(driver)
 
 
@@ -119,6 +127,9 @@ def plan_prepare(
             " first preparation is kept; delete the pod so that the kubelet unprepares the"
             " claim, then it is prepared anew"
         )
+    duplicate = _duplicate(allocation, driver)
+    if duplicate is not None:
+        return Refusal(f"{ref}: {duplicate}: refused; {NOT_FROM_THE_API}")
     held = _held_groups(others)
     devices: dict[str, DraDevice] = {}
     for item in allocation.devices:
@@ -163,12 +174,15 @@ def _device_for(
 
 def _write_plan(
     allocation: ClaimAllocation, devices: Mapping[str, DraDevice], driver: str, paths: Paths
-) -> WritePlan:
+) -> WritePlan | Refusal:
     ref = allocation.ref
     files: list[FileToWrite] = []
     metadata_paths: dict[str, str] = {}
-    for request in sorted({d.request for d in allocation.devices}):
+    for request in sorted({main_request(d.request) for d in allocation.devices}):
         path = paths.metadata(ref.uid, request, driver)
+        misplaced = _misplaced(allocation, request, path, driver, paths)
+        if misplaced is not None:
+            return Refusal(f"{ref}: request {quote_untrusted(request)}: {misplaced}")
         files.append(FileToWrite(path, _json(build_metadata(allocation, request, driver, devices))))
         metadata_paths[request] = str(path)
     spec_path = paths.spec(driver, ref.uid)
@@ -195,6 +209,63 @@ def _write_plan(
             files=(str(spec_path), *metadata_paths.values()),
         ),
     )
+
+
+def _duplicate(allocation: ClaimAllocation, driver: str) -> str | None:
+    """What the allocation names twice: a device (under any spelling of its address), or two
+    requests whose metadata would be one file. The CDI spec would define them twice, and the
+    runtime refuses such a spec when the container starts."""
+    by_bdf: dict[Bdf, Allocated] = {}
+    by_file: dict[str, Allocated] = {}
+    for item in allocation.devices:
+        bdf = bdf_of_device(item.device)
+        if bdf is not None and bdf in by_bdf:
+            return (
+                f"device {item.device} ({bdf}) is allocated twice, for requests"
+                f" {quote_untrusted(by_bdf[bdf].request)} and {quote_untrusted(item.request)};"
+                " this driver publishes each device for one allocation only"
+            )
+        if bdf is not None:
+            by_bdf[bdf] = item
+        request = main_request(item.request)
+        first = by_file.setdefault(request, item)
+        if first.request != item.request:
+            return (
+                f"requests {quote_untrusted(first.request)} and {quote_untrusted(item.request)}"
+                f" would share one metadata file ({quote_untrusted(request)}/"
+                f"{metadata_file_name(driver)}); the API allocates one subrequest per request"
+            )
+    return None
+
+
+def _misplaced(
+    allocation: ClaimAllocation, request: str, host_path: Path, driver: str, paths: Paths
+) -> str | None:
+    """Why a request's metadata would go elsewhere than its claim's own directory, on the host
+    and in the container; None when both are where they belong. A pure check on the paths."""
+    root = paths.metadata_root(allocation.ref.uid)
+    if not (_lies_in(host_path, root, 2) and _lies_in(root, paths.metadata_dir, 1)):
+        return (
+            f"its metadata would be written at {quote_untrusted(str(host_path))}, not in the"
+            f" claim's own directory {root}: refused; {NOT_FROM_THE_API}"
+        )
+    container_path = PurePosixPath(metadata_container_path(allocation, request, driver))
+    base = metadata_container_base(allocation)
+    if not _lies_in(container_path, base, 3):
+        return (
+            f"its metadata would be mounted at {quote_untrusted(str(container_path))}, not in"
+            f" {base}/ under the claim's name: refused; {NOT_FROM_THE_API}"
+        )
+    return None
+
+
+def _lies_in(path: PurePath, directory: PurePath, levels: int) -> bool:
+    """Whether `path` is `directory` joined with `levels` plain names (none empty, `.` or `..`)."""
+    for _ in range(levels):
+        if path.name in ("", ".", ".."):
+            return False
+        path = path.parent
+    return path == directory
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,3 +151,64 @@ def test_as_many_results_as_the_api_allows_are_read() -> None:
     results = [result(f"pci-{i}", request=f"r{i}") for i in range(128)]
     allocation = parse_allocation(claim(results), REF, DRIVER, "node-a")
     assert len(allocation.devices) == 128
+
+
+@pytest.mark.parametrize(
+    "request_name",
+    ["gpu", "gpu-2", "0", "a" * 63, "gpu/high-memory", "gpu/0"],
+)
+def test_request_names_the_api_allows_are_read(request_name: str) -> None:
+    allocation = parse_allocation(
+        claim([result("pci-0000-65-00-0", request=request_name)]), REF, DRIVER, "node-a"
+    )
+    assert [d.request for d in allocation.devices] == [request_name]
+
+
+@pytest.mark.parametrize(
+    "request_name",
+    [
+        "/abs/dir",
+        "..",
+        "../..",
+        ".",
+        "../4f1c7d2e-0000-4000-8000-000000000002/gpu",
+        "gpu/..",
+        "gpu/sub/more",
+        "gpu/",
+        "/gpu",
+        "a_b",
+        "GPU",
+        "-gpu",
+        "gpu-",
+        "a" * 64,
+        "gpu/" + "b" * 64,
+        "gpu.x",
+        "gpu x",
+    ],
+)
+def test_a_request_name_the_api_never_allows_is_refused(request_name: str) -> None:
+    with pytest.raises(ClaimError) as caught:
+        parse_allocation(
+            claim([result("pci-0000-65-00-0", request=request_name)]), REF, DRIVER, "node-a"
+        )
+    message = str(caught.value)
+    assert message.startswith(f"{REF}: status.allocation.devices.results[0].request is ")
+    assert "a DNS label, or <request>/<subrequest>" in message
+    assert "the API server never sends this; something other than the API server answered" in (
+        message
+    )
+
+
+@pytest.mark.parametrize(
+    "pod_claim_name", ["../../../../etc/x", "gpus/x", "..", ".", "GPUs", "a" * 64, "gpu_s", "-g"]
+)
+def test_a_pod_claim_name_that_is_no_dns_label_is_refused(pod_claim_name: str) -> None:
+    document = with_metadata(annotations={"resource.kubernetes.io/pod-claim-name": pod_claim_name})
+    with pytest.raises(ClaimError) as caught:
+        parse_allocation(document, REF, DRIVER, "node-a")
+    message = str(caught.value)
+    assert message.startswith(
+        f"{REF}: metadata.annotations[resource.kubernetes.io/pod-claim-name] is "
+    )
+    assert "not a pod's claim name (a DNS label, as pod.spec.resourceClaims[].name)" in message
+    assert "recreate the pod" in message

@@ -240,3 +240,112 @@ def test_a_claim_prepared_before_is_planned_again_only_for_the_same_allocation()
         " so the first preparation is kept; delete the pod so that the kubelet unprepares the"
         " claim, then it is prepared anew"
     )
+
+
+def written(answer: Refusal | BindFirst | WritePlan) -> dict[str, object]:
+    assert isinstance(answer, WritePlan)
+    return {str(f.path): json.loads(f.content) for f in answer.files}
+
+
+def test_a_subrequest_writes_where_the_kep_and_kubevirt_read_it() -> None:
+    wanted = allocation(("gpu/high-memory", GPU_A), ("nic", GPU_B))
+    answer = plan(wanted, {GPU_A: on_vfio(GPU_A, 7), GPU_B: on_vfio(GPU_B, 8)})
+    files = written(answer)
+    suffix = f"{DRIVER}-metadata.json"
+    metadata = files[f"/state/metadata/uid-1/gpu/{suffix}"]
+    assert isinstance(metadata, dict)
+    # The directory is the main request's; the document names the subrequest allocated.
+    assert [r["name"] for r in metadata["requests"]] == ["gpu/high-memory"]
+    spec = files[f"/cdi/{DRIVER}-claim_uid-1.json"]
+    assert isinstance(spec, dict)
+    mounts = {e["name"]: e["containerEdits"]["mounts"][0] for e in spec["devices"][2:]}
+    assert mounts["uid-1-metadata-gpu"] == {
+        "hostPath": f"/state/metadata/uid-1/gpu/{suffix}",
+        "containerPath": "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-gpus/gpu/"
+        + suffix,
+        "options": ["ro", "nosuid", "nodev", "bind"],
+    }
+    assert isinstance(answer, WritePlan)
+    assert answer.claim.devices[0].request == "gpu/high-memory"
+    assert answer.claim.devices[0].cdi_ids[1] == f"{DRIVER}/claim=uid-1-metadata-gpu"
+
+
+OTHER_UID = "uid-2"
+
+
+@pytest.mark.parametrize(
+    "request_name",
+    ["/abs/dir", "..", "../..", f"../{OTHER_UID}/gpu", "../../../etc/cron.d/x", ".", "/"],
+)
+def test_a_request_whose_metadata_path_leaves_the_claims_directory_is_refused(
+    request_name: str,
+) -> None:
+    answer = plan(allocation((request_name, GPU_A)), {GPU_A: on_vfio(GPU_A, 7)})
+    assert isinstance(answer, Refusal)
+    assert answer.message.startswith(f"{REF}: request ")
+    assert "its metadata would be written at" in answer.message
+    assert "not in the claim's own directory /state/metadata/uid-1" in answer.message
+    assert "something other than the API server answered" in answer.message
+
+
+@pytest.mark.parametrize("pod_claim_name", ["../../../../etc/x", "..", "a/b", "/etc"])
+def test_a_pod_claim_name_whose_mount_leaves_the_metadata_root_is_refused(
+    pod_claim_name: str,
+) -> None:
+    wanted = replace(allocation(("gpu", GPU_A)), pod_claim_name=pod_claim_name)
+    answer = plan(wanted, {GPU_A: on_vfio(GPU_A, 7)})
+    assert isinstance(answer, Refusal)
+    assert answer.message.startswith(f"{REF}: request 'gpu': its metadata would be mounted at ")
+    assert (
+        "not in /var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/"
+        in answer.message
+    )
+
+
+@pytest.mark.parametrize(
+    ("devices", "words"),
+    [
+        (
+            (("gpu", GPU_A), ("gpu", GPU_A)),
+            "device pci-0000-18-00-0 (0000:18:00.0) is allocated twice, for requests 'gpu'"
+            " and 'gpu'",
+        ),
+        (
+            (("gpu", GPU_A), ("nic", GPU_A)),
+            "device pci-0000-18-00-0 (0000:18:00.0) is allocated twice, for requests 'gpu'"
+            " and 'nic'",
+        ),
+        (
+            (("gpu", GPU_A), ("nic", "pci-00000000-18-00-0")),
+            "device pci-00000000-18-00-0 (0000:18:00.0) is allocated twice",
+        ),
+        (
+            (("gpu/a", GPU_A), ("gpu/b", GPU_B)),
+            "requests 'gpu/a' and 'gpu/b' would share one metadata file",
+        ),
+        (
+            (("gpu", GPU_A), ("gpu/b", GPU_B)),
+            "requests 'gpu' and 'gpu/b' would share one metadata file",
+        ),
+    ],
+    ids=["same-request", "two-requests", "two-spellings", "two-subrequests", "main-and-sub"],
+)
+def test_duplicates_are_refused_naming_the_claim_and_what_is_duplicated(
+    devices: tuple[tuple[str, Bdf | str], ...], words: str
+) -> None:
+    judged: dict[Bdf, DraDevice | str] = {GPU_A: on_vfio(GPU_A, 7), GPU_B: on_vfio(GPU_B, 8)}
+    answer = plan(allocation(*devices), judged)
+    assert isinstance(answer, Refusal)
+    assert answer.message.startswith(f"{REF}: ") and words in answer.message
+    assert "something other than the API server answered" in answer.message
+
+
+def test_the_cdi_specs_device_names_are_unique() -> None:
+    wanted = allocation(("gpu", GPU_A), ("gpu", GPU_B), ("metadata-gpu", GPU_C))
+    judged: dict[Bdf, DraDevice | str] = {
+        b: on_vfio(b, g) for b, g in ((GPU_A, 7), (GPU_B, 8), (GPU_C, 9))
+    }
+    spec = written(plan(wanted, judged))[f"/cdi/{DRIVER}-claim_uid-1.json"]
+    assert isinstance(spec, dict)
+    names = [e["name"] for e in spec["devices"]]
+    assert len(names) == len(set(names)) == 5
