@@ -190,6 +190,22 @@ class OnDemandBinder:
     def holds(self, claim_uid: str) -> bool:
         return self._read(claim_uid) is not None
 
+    def journaled(self) -> dict[Bdf, str]:
+        """Every function a journal entry names (moved or asked for), with the UID of the claim
+        it is on VFIO, or on its way there or back, for. A claim whose give-back failed is no
+        longer prepared but still has its entry: its functions sit on VFIO, and no other claim
+        may be handed them, or the next start would take them back from under it. Unreadable
+        entries are left to `recover`, which names them."""
+        found: dict[Bdf, str] = {}
+        for path in sorted(self._dir.glob("*.json")) if self._dir.is_dir() else ():
+            try:
+                entry = JournalEntry.from_json(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            for bdf in (*(m.bdf for m in entry.moved), *(entry.requested or ())):
+                found.setdefault(bdf, entry.claim_uid)
+        return found
+
     # Start-up --------------------------------------------------------------------------------
     def recover(self, prepared: Iterable[str]) -> list[str]:
         """Put back what a bind or give-back interrupted, or what a claim no longer prepared

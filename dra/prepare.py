@@ -190,6 +190,7 @@ class ClaimPreparer:
             driver=self._driver,
             paths=self._paths,
             can_bind=self._binder is not None,
+            journaled=self._binder.journaled() if self._binder is not None else None,
         )
         if isinstance(plan, Refusal):
             raise ClaimError(plan.message)

@@ -112,11 +112,12 @@ def plan_prepare(
     driver: str,
     paths: Paths,
     can_bind: bool,
+    journaled: Mapping[Bdf, str] | None = None,
 ) -> Refusal | BindFirst | WritePlan:
     """What to do for `allocation`, given this claim's own record (when it was prepared
     before), its devices as judged now (by address; missing ones are gone) and the other
     prepared claims; `can_bind` says whether devices on their host drivers may be bound on
-    demand."""
+    demand; `journaled` names the functions a binding journal holds on VFIO, by claim UID."""
     ref = allocation.ref
     if recorded is not None and not same_allocation(recorded, allocation):
         # Preparing over it would lose the record, and the bind journal, of the devices the
@@ -133,7 +134,7 @@ def plan_prepare(
     held = _held_groups(others)
     devices: dict[str, DraDevice] = {}
     for item in allocation.devices:
-        device = _device_for(ref, item, judged, held)
+        device = _device_for(ref, item, judged, held, journaled or {})
         if isinstance(device, Refusal):
             return device
         devices[item.device] = device
@@ -148,11 +149,20 @@ def plan_prepare(
     return _write_plan(allocation, devices, driver, paths)
 
 
+def _bound_for_another(ref: ClaimRef, item: Allocated, bdf: Bdf, other: str) -> Refusal:
+    return Refusal(
+        f"{ref}: device {item.device} ({bdf}) is still on VFIO for claim uid {other}, whose"
+        " devices could not be given back yet; it is freed once they are (the driver tries"
+        " again when that claim is unprepared and at its next start); the kubelet retries"
+    )
+
+
 def _device_for(
     ref: ClaimRef,
     item: Allocated,
     judged: Mapping[Bdf, DraDevice | str],
     held: Mapping[int, _Holder],
+    journaled: Mapping[Bdf, str],
 ) -> DraDevice | Refusal:
     bdf = bdf_of_device(item.device)
     if bdf is None:
@@ -160,6 +170,9 @@ def _device_for(
             f"{ref}: device {quote_untrusted(item.device)} is not a name this driver"
             " publishes; the allocation is from another driver's slice"
         )
+    other = journaled.get(bdf)
+    if other is not None and other != ref.uid:
+        return _bound_for_another(ref, item, bdf, other)
     device = judged.get(bdf, GONE)
     if isinstance(device, str):
         return Refusal(

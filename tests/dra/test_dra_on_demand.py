@@ -16,7 +16,7 @@ from cdi_schema import validate_cdi_spec
 from dra.binding import JournalEntry, Moved
 from dra.devices import build_devices
 from dra.state import ClaimStore, PreparedClaim
-from dra_testkit import REF, Node
+from dra_testkit import OTHER, REF, Node
 from hostdev.bdf import Bdf
 from hostdev.binding.lock import hold_binding_lock
 from hostdev.config import Binding, PluginConfig, ResourceConfig, Selectors
@@ -310,3 +310,35 @@ def test_a_known_claim_with_another_allocation_keeps_its_first_bind(
     # Released as the first allocation had it.
     assert node.preparer.unprepare([REF]) == {REF.uid: None}
     assert drivers(node) == BEFORE
+
+
+def test_a_device_whose_give_back_failed_is_not_handed_to_another_claim(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error after the bind, and then the give-back fails too: the claim is not recorded,
+    but its journal still holds the device on VFIO. Another claim must not get it, or the
+    next start would take it back from under that claim's VM."""
+
+    def bug(*args: object, **kwargs: object) -> None:
+        assert node.kernel is not None
+        node.kernel.fail(lambda path, text: path.endswith("driver/unbind"), errno.EBUSY)
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("dra.prepare.write_file_atomically", bug)
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    with pytest.raises(RuntimeError, match="a bug"):
+        node.preparer.prepare([REF])
+    monkeypatch.undo()
+    assert drivers(node)[GPU][0] == "vfio-pci"
+    assert not (node.state_dir / "claims" / f"{REF.uid}.json").exists()
+    assert (node.state_dir / "bindings" / f"{REF.uid}.json").exists()
+    node.claims.add(OTHER, [("gpu", GPU_DEVICE)])
+    answer = node.preparer.prepare([OTHER])[OTHER.uid]
+    assert isinstance(answer, str)
+    assert f"is still on VFIO for claim uid {REF.uid}" in answer
+    # Once the device lets go, the first claim's unprepare gives it back and frees it.
+    assert node.kernel is not None
+    node.kernel.clear_failures()
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
+    assert drivers(node) == BEFORE
+    assert isinstance(node.preparer.prepare([OTHER])[OTHER.uid], PreparedClaim)
