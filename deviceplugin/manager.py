@@ -43,6 +43,8 @@ from hostdev.bdf import Bdf
 from hostdev.binding.sysfs_write import KernelSysfs, SysfsWriter
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
+from hostdev.directories import make_directories
+from hostdev.grpc_socket import SOCKET_DIRECTORY_MODE
 from hostdev.labels.node_labels import build_node_labels
 from hostdev.labels.publisher import LabelPublisher
 from hostdev.model import HostInventory
@@ -141,7 +143,7 @@ class PluginManager:
 
     def start(self) -> None:
         """Scan, serve every resource, try to register, start watching."""
-        self._kubelet_dir.mkdir(parents=True, exist_ok=True)
+        make_directories(self._kubelet_dir, SOCKET_DIRECTORY_MODE)
         remove_stale_sockets(self._kubelet_dir)
         for watch in self._watches:
             watch.start()

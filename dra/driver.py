@@ -24,16 +24,21 @@ from dra.prepare import ClaimPreparer, ClaimsChanged
 from dra.prepare_plan import Paths
 from dra.publisher import SlicePublisher
 from dra.servicer import DraServicerV1, DraServicerV1beta1
-from dra.state import ClaimStore
+from dra.state import RECORDS_MODE, ClaimStore
 from hostdev.binding.bind import HostAccess
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
+from hostdev.directories import make_private_directory
 from hostdev.errors import HostdevError
 from hostdev.labels.node_labels import build_node_labels
 from hostdev.labels.publisher import LabelPublisher
 from hostdev.pciids import PciIds
 
 log = logging.getLogger(__name__)
+# The container runtime (root) reads the CDI specs and bind-mounts the metadata files into the
+# virt-launcher pod, where KubeVirt reads them as uid 107: those directories may be read and
+# passed through by all, and written by root alone.
+READABLE_MODE = 0o755
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +71,10 @@ class DraDriver:
         self._labels = labels
         self.host = HostCache(settings.root, config, names)
         self.store = ClaimStore(settings.state_dir)
+        self._paths = Paths(settings.cdi_dir, settings.state_dir / "metadata")
+        self._journal_dir = settings.state_dir / "bindings"
         self.binder = OnDemandBinder(
-            HostAccess(root=settings.root, host_root=settings.host_root),
-            settings.state_dir / "bindings",
+            HostAccess(root=settings.root, host_root=settings.host_root), self._journal_dir
         )
         # Host events, claims prepared or forgotten, and the stop mark, all read by one thread:
         # it alone publishes, so what it publishes follows what is held in order.
@@ -79,7 +85,7 @@ class DraDriver:
             api,
             self.host,
             self.store,
-            Paths(settings.cdi_dir, settings.state_dir / "metadata"),
+            self._paths,
             changes=self._events,
             binder=self.binder,
         )
@@ -122,10 +128,20 @@ class DraDriver:
     def recover(self) -> None:
         """Read the prepared claims, put back what an interrupted bind or a claim no longer
         prepared left on VFIO (sysfs writes), then read the host as it is after that."""
+        self._make_directories()
         self.store.load()
         for line in self.binder.recover(c.uid for c in self.store):
             log.warning("start-up recovery: %s", line)
         self.host.scan()
+
+    def _make_directories(self) -> None:
+        """Each directory the driver writes into as root, made with its mode whatever the umask,
+        and refused (UnsafeDirectory) when another user could write into it: there they could
+        plant a symbolic link the driver then writes through. The claim store makes claims/."""
+        make_private_directory(self._paths.cdi_dir, READABLE_MODE, "CDI directory")
+        make_private_directory(self.settings.state_dir, READABLE_MODE, "state directory")
+        make_private_directory(self._paths.metadata_dir, READABLE_MODE, "metadata directory")
+        make_private_directory(self._journal_dir, RECORDS_MODE, "binding journal directory")
 
     def stop(self) -> None:
         if self._udev is not None:

@@ -10,16 +10,23 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from hostdev.atomic_file import sync_directory, write_file_atomically
-from hostdev.bdf import Bdf
+from hostdev.bdf import Bdf, is_bdf
+from hostdev.directories import make_private_directory
+from hostdev.untrusted import quote_untrusted
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
+# Claim records and binding journals are root's alone: nobody else reads them, and nobody else may
+# plant a file or a symbolic link among them.
+RECORDS_MODE = 0o700
+# What a record's field holds when the record has no such key (JSON null is None).
+_MISSING = object()
 
 
 class StateError(Exception):
@@ -70,26 +77,84 @@ class PreparedClaim:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> PreparedClaim:
-        if data.get("version") != STATE_VERSION:
-            raise ValueError(f"state version {data.get('version')!r}, expected {STATE_VERSION}")
+    def from_json(cls, data: object) -> PreparedClaim:
+        """The record `to_json` wrote; any other JSON value raises ValueError naming the first
+        field that is missing or of the wrong type."""
+        record = _object(data, "the record")
+        version = record.get("version", _MISSING)
+        if not _is_int(version) or version != STATE_VERSION:
+            raise ValueError(f"version: expected {STATE_VERSION}, found {_shown(version)}")
         return cls(
-            uid=str(data["uid"]),
-            namespace=str(data["namespace"]),
-            name=str(data["name"]),
+            uid=_text(record, "uid"),
+            namespace=_text(record, "namespace"),
+            name=_text(record, "name"),
             devices=tuple(
-                PreparedDevice(
-                    request=str(d["request"]),
-                    pool=str(d["pool"]),
-                    device=str(d["device"]),
-                    bdf=Bdf.parse(str(d["bdf"])),
-                    cdi_ids=tuple(str(i) for i in d["cdiIds"]),
-                    group=int(d["iommuGroup"]),
-                )
-                for d in data["devices"]
+                _device(_object(item, f"devices[{index}]"), f"devices[{index}].")
+                for index, item in enumerate(_array(record, "devices"))
             ),
-            files=tuple(str(f) for f in data["files"]),
+            files=_texts(record, "files"),
         )
+
+
+def _device(record: dict[str, object], where: str) -> PreparedDevice:
+    bdf = _text(record, "bdf", where)
+    if not is_bdf(bdf):
+        raise ValueError(f"{where}bdf: expected a PCI address, found {_shown(bdf)}")
+    group = record.get("iommuGroup", _MISSING)
+    if not _is_int(group) or group < 0:
+        raise ValueError(f"{where}iommuGroup: expected a group number, found {_shown(group)}")
+    return PreparedDevice(
+        request=_text(record, "request", where),
+        pool=_text(record, "pool", where),
+        device=_text(record, "device", where),
+        bdf=Bdf.parse(bdf),
+        cdi_ids=_texts(record, "cdiIds", where),
+        group=group,
+    )
+
+
+def _object(value: object, where: str) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected an object, found {_shown(value)}")
+    return value
+
+
+def _array(record: dict[str, object], key: str, where: str = "") -> list[object]:
+    value = record.get(key, _MISSING)
+    if not isinstance(value, list):
+        raise ValueError(f"{where}{key}: expected an array, found {_shown(value)}")
+    return value
+
+
+def _text(record: dict[str, object], key: str, where: str = "") -> str:
+    value = record.get(key, _MISSING)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}{key}: expected a string, found {_shown(value)}")
+    return value
+
+
+def _texts(record: dict[str, object], key: str, where: str = "") -> tuple[str, ...]:
+    values = _array(record, key, where)
+    for index, value in enumerate(values):
+        if not isinstance(value, str):
+            raise ValueError(f"{where}{key}[{index}]: expected a string, found {_shown(value)}")
+    return tuple(str(value) for value in values)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    # JSON true is a Python bool, which is an int.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: object) -> str:
+    """A JSON value in a one-line message: containers by their kind, scalars quoted short."""
+    if value is _MISSING:
+        return "nothing"
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "an array"
+    if isinstance(value, str):
+        return quote_untrusted(value, 40)
+    return json.dumps(value)[:40]
 
 
 class ClaimStore:
@@ -105,10 +170,10 @@ class ClaimStore:
         """Read every record. An unreadable one stops the driver (StateError naming the file):
         skipping it would set its devices free for another claim while a VM may have them."""
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            make_private_directory(self._dir, RECORDS_MODE, "claim records directory")
         except OSError as error:
-            raise StateError(f"state directory {self._dir}: {error.strerror}") from error
-        for claim in read_prepared_claims(self._dir.parent, strict=True):
+            raise StateError(f"claim records directory {self._dir}: {error.strerror}") from error
+        for claim in read_prepared_claims(self._dir.parent):
             self._claims[claim.uid] = claim
 
     def get(self, uid: str) -> PreparedClaim | None:
@@ -129,7 +194,9 @@ class ClaimStore:
     def save(self, claim: PreparedClaim) -> None:
         data = json.dumps(claim.to_json(), indent=1).encode()
         try:
-            write_file_atomically(self._dir / f"{claim.uid}.json", data, 0o600)
+            write_file_atomically(
+                self._dir / f"{claim.uid}.json", data, 0o600, directory_mode=RECORDS_MODE
+            )
         except OSError as error:
             raise StateError(
                 f"cannot record {claim.uid} in {self._dir}: {error.strerror}"
@@ -148,9 +215,12 @@ class ClaimStore:
             self._claims.pop(uid, None)
 
 
-def read_prepared_claims(state_dir: Path, *, strict: bool = False) -> tuple[PreparedClaim, ...]:
+def read_prepared_claims(
+    state_dir: Path, on_unreadable: Callable[[Path, str], None] | None = None
+) -> tuple[PreparedClaim, ...]:
     """The prepared claims recorded under `state_dir` (none when it has no records), changing
-    nothing; an unreadable record raises StateError when `strict`, else is logged and skipped."""
+    nothing. An unreadable record raises StateError naming the file and the fix, or, given
+    `on_unreadable`, is handed to it (the file and what is wrong) and skipped."""
     directory = state_dir / "claims"
     try:
         paths = sorted(directory.glob("*.json"))
@@ -159,12 +229,30 @@ def read_prepared_claims(state_dir: Path, *, strict: bool = False) -> tuple[Prep
     claims: list[PreparedClaim] = []
     for path in paths:
         try:
-            claims.append(PreparedClaim.from_json(json.loads(path.read_text())))
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            if strict:
+            claims.append(_read_record(path))
+        except ValueError as error:
+            if on_unreadable is None:
                 raise StateError(
                     f"unreadable prepared-claim record {path}: {error}; check which device the"
                     " claim had (kubevirt-iommufd inspect), then fix or remove the file"
                 ) from error
-            log.error("unreadable prepared-claim record %s: %s; left in place", path, error)
+            on_unreadable(path, str(error))
     return tuple(claims)
+
+
+def _read_record(path: Path) -> PreparedClaim:
+    """One record; ValueError saying what is wrong with it, in one line."""
+    try:
+        data = json.loads(path.read_bytes())
+    except OSError as error:
+        raise ValueError(error.strerror) from error
+    except RecursionError as error:
+        raise ValueError("not JSON: nested too deeply") from error
+    except ValueError as error:
+        raise ValueError(f"not JSON: {error}") from error
+    claim = PreparedClaim.from_json(data)
+    if f"{claim.uid}.json" != path.name:
+        raise ValueError(
+            f"it records claim {quote_untrusted(claim.uid, 80)}, not the claim of its name"
+        )
+    return claim

@@ -52,10 +52,16 @@ def check_private_directory(path: Path, what: str, fix: str) -> None:
         raise UnsafeDirectory(f"{what} {path} {problem}; {fix}")
 
 
-def make_private_directory(path: Path, mode: int, what: str, fix: str) -> None:
-    """`make_directories`, then `check_private_directory`: what the daemon writes into at start."""
+def make_private_directory(path: Path, mode: int, what: str, fix: str = "") -> None:
+    """`make_directories`, then `check_private_directory`: what the daemon writes into at start.
+    Without `fix`, the message says what the directory must be (`private_directory_fix`)."""
     make_directories(path, mode)
-    check_private_directory(path, what, fix)
+    check_private_directory(path, what, fix or private_directory_fix(mode))
+
+
+def private_directory_fix(mode: int) -> str:
+    """What a directory refused by `check_private_directory` must be instead."""
+    return f"make it a real directory owned by root with mode {mode:04o}"
 
 
 def _problem(info: os.stat_result) -> str | None:

@@ -3,9 +3,9 @@
 A restarting kubelet deletes the sockets in its directories (sometimes the directories too), and
 only a socket served anew gets it to dial back. The server remembers which file it made (device
 and inode): `present` turns false once the path is gone or names another file, `restart` makes
-the directory again if need be and serves there, and `stop` removes the path only while it is
-still ours — by then a newer server may hold it. The socket has its mode from the start, whatever
-the umask (`bind_unix_socket_path`).
+the directory again if need be (mode 0750) and serves there, and `stop` removes the path only
+while it is still ours — by then a newer server may hold it. The socket has its mode from the
+start, whatever the umask (`bind_unix_socket_path`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,14 @@ from pathlib import Path
 
 import grpc
 
+from hostdev.directories import make_directories
 from hostdev.unix_socket import UnixSocketError, bind_unix_socket_path
 
 # Only the kubelet, which runs as root, dials these sockets: nobody else needs to connect.
 SOCKET_MODE = 0o600
+# A socket directory made here (the kubelet wiped it, or has not made it yet) gets the mode the
+# kubelet gives its own plugin directories, whatever the umask: only root writes into it.
+SOCKET_DIRECTORY_MODE = 0o750
 # One thread holds each open stream (ListAndWatch, health); the rest serve the unary calls.
 _WORKERS = 8
 
@@ -38,7 +42,7 @@ class GrpcSocketServer:
         """Serve at the path, replacing whatever socket is left there; raises UnixSocketError
         (an OSError) when the socket cannot be made."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_directories(self.path.parent, SOCKET_DIRECTORY_MODE)
         except OSError as error:
             raise UnixSocketError(f"cannot make {self.path.parent}: {error}") from error
         executor = futures.ThreadPoolExecutor(max_workers=_WORKERS)

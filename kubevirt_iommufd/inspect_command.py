@@ -124,7 +124,8 @@ def _pci_ids(option: str | None) -> PciIds:
 
 def _prepared(args: argparse.Namespace) -> dict[Bdf, str] | None:
     """Which claim the DRA driver prepared each function for, from its state directory; None
-    when there is none to read (no DRA driver on this node, or a simulated node)."""
+    when there is none to read (no DRA driver on this node, or a simulated node). A record that
+    cannot be read is left out, with a warning naming it."""
     from dra.state import StateError, read_prepared_claims
 
     if args.dra_state_dir is not None:
@@ -137,8 +138,16 @@ def _prepared(args: argparse.Namespace) -> dict[Bdf, str] | None:
         state_dir = Path(args.root) / DRA_STATE_DIR
         if not state_dir.is_dir():
             return None
+    def skip(path: Path, problem: str) -> None:
+        # A report without one claim is still what a person needs to mend the record by.
+        print(
+            f"kubevirt-iommufd: warning: unreadable prepared-claim record {path}: {problem};"
+            " the devices it names are shown as not prepared",
+            file=sys.stderr,
+        )
+
     try:
-        claims = read_prepared_claims(state_dir)
+        claims = read_prepared_claims(state_dir, skip)
     except StateError as error:
         raise HostdevError(str(error)) from None
     return {d.bdf: f"claim {c.namespace}/{c.name} (uid {c.uid})" for c in claims for d in c.devices}

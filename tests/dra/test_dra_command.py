@@ -1,8 +1,10 @@
 """`kubevirt-iommufd dra` as a process: registers, publishes, prepares, stops cleanly on SIGTERM;
-refuses bad arguments with one line naming the fix."""
+refuses bad arguments, directories another user could write and unreadable records with one
+line naming the fix."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dra_testkit import DRIVER, NODE, short_directory
+from prepared_records import BAD_RECORDS, write_record
 from sim.apiserver import ApiServerStandIn
 from sim.dra_kubelet import DRAKubeletStandIn
 
@@ -102,3 +105,91 @@ def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "resources[0].selectors.vendors[0]" in done.stderr
+
+
+def start_refused(root: Path, base: Path, kubeconfig: Path) -> subprocess.CompletedProcess[str]:
+    """`kubevirt-iommufd dra` over the directories under `base`, which must refuse to start."""
+    return subprocess.run(
+        dra(
+            "--node-name", NODE,
+            "--root", str(root),
+            "--kubelet-dir", str(base / "kubelet"),
+            "--cdi-dir", str(base / "cdi"),
+            "--state-dir", str(base / "state"),
+            "--kubeconfig", str(kubeconfig),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )  # fmt: skip
+
+
+def make_world_writable(path: Path) -> None:
+    path.mkdir()
+    path.chmod(0o777)
+
+
+def make_symlink(path: Path) -> None:
+    real = path.with_name(f"{path.name}.real")
+    real.mkdir(mode=0o755)
+    path.symlink_to(real)
+
+
+def give_to_another_user(path: Path) -> None:
+    path.mkdir(mode=0o755)
+    os.chown(path, 12345, 12345)
+
+
+@pytest.mark.parametrize(
+    ("directory", "spoil", "what", "problem", "mode"),
+    [
+        ("state", make_world_writable, "state", "is writable by other users (mode 0777)", 0o755),
+        ("cdi", make_world_writable, "CDI", "is writable by other users (mode 0777)", 0o755),
+        ("state", make_symlink, "state", "is a symbolic link", 0o755),
+        ("cdi", make_symlink, "CDI", "is a symbolic link", 0o755),
+        ("state", give_to_another_user, "state", "is owned by uid 12345, not by root or by"
+         " this process", 0o755),
+    ],
+    ids=["state-0777", "cdi-0777", "state-symlink", "cdi-symlink", "state-other-user"],
+)  # fmt: skip
+def test_a_directory_another_user_could_write_stops_the_start_with_one_line(
+    scenario_root: ScenarioRoot,
+    apiserver: ApiServerStandIn,
+    tmp_path: Path,
+    directory: str,
+    spoil: Callable[[Path], None],
+    what: str,
+    problem: str,
+    mode: int,
+) -> None:
+    if spoil is give_to_another_user and os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    kubeconfig = apiserver.write_kubeconfig(tmp_path / "kubeconfig")
+    # A short directory: unrefused, the driver would serve (and this wait out its timeout).
+    with short_directory() as base:
+        spoil(base / directory)
+        done = start_refused(scenario_root("hgx-h100"), base, kubeconfig)
+        assert done.returncode == 1, done.stderr
+        assert done.stderr == (
+            f"kubevirt-iommufd dra: {what} directory {base / directory} {problem}; make it a"
+            f" real directory owned by root with mode {mode:04o}\n"
+        )
+        # Nothing was written through the link.
+        assert not list(base.glob("*.real/*"))
+
+
+@pytest.mark.parametrize("shape", sorted(BAD_RECORDS))
+def test_a_record_of_the_wrong_shape_stops_the_start_with_one_line(
+    scenario_root: ScenarioRoot, apiserver: ApiServerStandIn, tmp_path: Path, shape: str
+) -> None:
+    text, problem = BAD_RECORDS[shape]
+    kubeconfig = apiserver.write_kubeconfig(tmp_path / "kubeconfig")
+    with short_directory() as base:
+        record = write_record(base / "state", text)
+        done = start_refused(scenario_root("hgx-h100"), base, kubeconfig)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"kubevirt-iommufd dra: unreadable prepared-claim record {record}: {problem}; check which"
+        " device the claim had (kubevirt-iommufd inspect), then fix or remove the file\n"
+    )

@@ -1,0 +1,170 @@
+"""The prepared-claim records: read back exactly as written, any other JSON refused with one line
+naming the file and the field, and their directory made root's alone whatever the umask."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from dra.state import ClaimStore, PreparedClaim, StateError, read_prepared_claims
+from hostdev.directories import UnsafeDirectory
+from prepared_records import BAD_RECORDS, UID, good_record, with_field, write_record
+
+FIX = "check which device the claim had (kubevirt-iommufd inspect), then fix or remove the file"
+
+
+def test_a_record_reads_back_as_written() -> None:
+    claim = PreparedClaim.from_json(good_record())
+    assert claim.to_json() == good_record()
+    assert str(claim.devices[0].bdf) == "0000:18:00.0"
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (None, "the record: expected an object, found null"),
+        ([], "the record: expected an object, found an array"),
+        ("claim", "the record: expected an object, found 'claim'"),
+        (3.5, "the record: expected an object, found 3.5"),
+        (True, "the record: expected an object, found true"),
+        ({}, "version: expected 1, found nothing"),
+        (with_field("version", True), "version: expected 1, found true"),
+        (with_field("version", "1"), "version: expected 1, found '1'"),
+        (with_field("version", 2), "version: expected 1, found 2"),
+        (with_field("uid", 7), "uid: expected a string, found 7"),
+        (with_field("namespace", None), "namespace: expected a string, found null"),
+        (with_field("name", ["vm"]), "name: expected a string, found an array"),
+        (with_field("devices", "gpu"), "devices: expected an array, found 'gpu'"),
+        (with_field("devices", [None]), "devices[0]: expected an object, found null"),
+        (with_field("devices", ["gpu"]), "devices[0]: expected an object, found 'gpu'"),
+        (with_field("files", {"a": 1}), "files: expected an array, found an object"),
+        (with_field("files", ["/a", 1]), "files[1]: expected a string, found 1"),
+        (
+            with_field("bdf", "../../x", in_device=True),
+            "devices[0].bdf: expected a PCI address, found '../../x'",
+        ),
+        (with_field("bdf", 24, in_device=True), "devices[0].bdf: expected a string, found 24"),
+        (with_field("request", {}, in_device=True), "devices[0].request: expected a string"),
+        (with_field("cdiIds", "x", in_device=True), "devices[0].cdiIds: expected an array"),
+        (with_field("cdiIds", [None], in_device=True), "devices[0].cdiIds[0]: expected a string"),
+        (
+            with_field("iommuGroup", "3", in_device=True),
+            "devices[0].iommuGroup: expected a group number, found '3'",
+        ),
+        (
+            with_field("iommuGroup", False, in_device=True),
+            "devices[0].iommuGroup: expected a group number, found false",
+        ),
+        (
+            with_field("iommuGroup", -1, in_device=True),
+            "devices[0].iommuGroup: expected a group number, found -1",
+        ),
+        (
+            with_field("iommuGroup", 1.5, in_device=True),
+            "devices[0].iommuGroup: expected a group number, found 1.5",
+        ),
+        (
+            with_field("bdf", "0000:18:00.0\nforged line", in_device=True),
+            "devices[0].bdf: expected a PCI address, found '0000:18:00.0\\nforged line'",
+        ),
+    ],
+    # The field and what it holds: `dict-devices[0].bdf-expected a PCI address, found 24`.
+    ids=lambda value: value.replace(": ", "-") if isinstance(value, str) else type(value).__name__,
+)
+def test_any_other_json_value_is_a_value_error_naming_the_field(data: object, problem: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        PreparedClaim.from_json(data)
+    assert str(caught.value).startswith(problem)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("shape", sorted(BAD_RECORDS))
+def test_the_store_refuses_a_bad_record_with_one_line_naming_the_file(
+    tmp_path: Path, shape: str
+) -> None:
+    text, problem = BAD_RECORDS[shape]
+    path = write_record(tmp_path, text)
+    with pytest.raises(StateError) as caught:
+        ClaimStore(tmp_path).load()
+    assert str(caught.value) == f"unreadable prepared-claim record {path}: {problem}; {FIX}"
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"{not json", "not JSON: Expecting property name enclosed in double quotes"),
+        (b'{"uid": "\xff"}', "not JSON: 'utf-8' codec can't decode byte 0xff"),
+        (b"[" * 100_000 + b"]" * 100_000, "not JSON: nested too deeply"),
+        (b"", "not JSON: Expecting value: line 1 column 1 (char 0)"),
+    ],
+    ids=["broken", "not-utf8", "deep", "empty"],
+)
+def test_a_record_that_is_not_json_is_refused(tmp_path: Path, content: bytes, problem: str) -> None:
+    path = write_record(tmp_path, "")
+    path.write_bytes(content)
+    with pytest.raises(StateError) as caught:
+        read_prepared_claims(tmp_path)
+    assert str(caught.value).startswith(f"unreadable prepared-claim record {path}: {problem}")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_record_under_another_claims_name_is_refused(tmp_path: Path) -> None:
+    other = "a1b2c3d4-0000-4000-8000-0000000000bb"
+    path = write_record(tmp_path, json.dumps(good_record(other)))
+    with pytest.raises(StateError) as caught:
+        read_prepared_claims(tmp_path)
+    assert str(caught.value) == (
+        f"unreadable prepared-claim record {path}: it records claim '{other}', not the claim of"
+        f" its name; {FIX}"
+    )
+
+
+def test_a_reader_given_somewhere_to_report_skips_bad_records(tmp_path: Path) -> None:
+    good = "a1b2c3d4-0000-4000-8000-0000000000cc"
+    write_record(tmp_path, json.dumps(good_record(good)), good)
+    bad = write_record(tmp_path, "null")
+    skipped: list[tuple[Path, str]] = []
+    claims = read_prepared_claims(tmp_path, lambda path, why: skipped.append((path, why)))
+    assert [c.uid for c in claims] == [good]
+    assert skipped == [(bad, "the record: expected an object, found null")]
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_the_records_directory_and_records_are_roots_alone_under_umask_000(
+    tmp_path: Path,
+) -> None:
+    store = ClaimStore(tmp_path / "state")
+    store.load()
+    store.save(PreparedClaim.from_json(good_record()))
+    claims = tmp_path / "state" / "claims"
+    assert stat.S_IMODE(claims.stat().st_mode) == 0o700
+    assert stat.S_IMODE((claims / f"{UID}.json").stat().st_mode) == 0o600
+    # Taken away while running (a careless clean-up): made again with the same mode.
+    (claims / f"{UID}.json").unlink()
+    claims.rmdir()
+    store.save(PreparedClaim.from_json(good_record()))
+    assert stat.S_IMODE(claims.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770], ids=oct)
+def test_a_records_directory_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    claims.chmod(mode)
+    with pytest.raises(UnsafeDirectory) as caught:
+        ClaimStore(tmp_path).load()
+    assert str(caught.value) == (
+        f"claim records directory {claims} is writable by other users (mode {mode:04o}); make it"
+        " a real directory owned by root with mode 0700"
+    )
+
+
+def test_a_symlinked_records_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "claims").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UnsafeDirectory, match="claims is a symbolic link; make it a real"):
+        ClaimStore(tmp_path).load()
+    assert not list((tmp_path / "elsewhere").iterdir())
