@@ -138,6 +138,7 @@ def _prepared(args: argparse.Namespace) -> dict[Bdf, str] | None:
         state_dir = Path(args.root) / DRA_STATE_DIR
         if not state_dir.is_dir():
             return None
+
     def skip(path: Path, problem: str) -> None:
         # A report without one claim is still what a person needs to mend the record by.
         print(
