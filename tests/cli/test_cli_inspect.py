@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kubevirt_iommufd.cli import main
+from prepared_records import BAD_RECORDS, UID, good_record, write_record
 from sim.host import BuildHost, HostSpec
 
 ScenarioRoot = Callable[[str], Path]
@@ -317,3 +318,25 @@ def test_console_script_runs_as_a_module(build_host: BuildHost) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["summary"]["functions"] == 0
+
+
+@pytest.mark.parametrize("shape", sorted(BAD_RECORDS))
+def test_a_dra_record_of_the_wrong_shape_is_one_warning_and_the_rest_is_shown(
+    capsys: pytest.CaptureFixture[str], scenario_root: ScenarioRoot, tmp_path: Path, shape: str
+) -> None:
+    text, problem = BAD_RECORDS[shape]
+    write_record(tmp_path, json.dumps(good_record()))
+    bad = write_record(tmp_path, text, "a1b2c3d4-0000-4000-8000-0000000000ff")
+    root = scenario_root("hgx-h100")
+    code, out, err = run(
+        capsys, "inspect", "--root", str(root), "--json", "--dra-state-dir", str(tmp_path)
+    )
+    assert code == 0
+    assert err == (
+        f"kubevirt-iommufd: warning: unreadable prepared-claim record {bad}: {problem}; the"
+        " devices it names are shown as not prepared\n"
+    )
+    prepared = {
+        f["bdf"]: f["prepared_for"] for g in json.loads(out)["groups"] for f in g["functions"]
+    }
+    assert prepared["0000:18:00.0"] == f"claim vms/vm-gpus (uid {UID})"

@@ -4,6 +4,8 @@ stand-in (every object schema-checked), the kubelet stand-in over real gRPC."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -18,6 +20,7 @@ from dra.claims import ClaimRef
 from dra.driver import DraDriver, DriverSettings
 from dra_testkit import DRIVER, NODE, driver_settings, short_directory
 from hostdev.config import default_config
+from hostdev.directories import UnsafeDirectory
 from hostdev.pciids import PciIds
 from sim.apiserver import (
     AllocatedDevice,
@@ -244,3 +247,105 @@ def test_building_the_driver_touches_nothing_until_it_starts(
             assert settings.kubelet_dir.is_dir()
         finally:
             driver.stop()
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_every_directory_and_file_the_driver_makes_has_its_mode_under_umask_000(
+    scenario_root: ScenarioRoot,
+    apiserver: ApiServerStandIn,
+    api_client: kubernetes.client.ApiClient,
+) -> None:
+    apiserver.put_node(NODE)
+    with short_directory() as base:
+        driver = start_driver(scenario_root("hgx-h100"), base, api_client)
+        try:
+            with DRAKubeletStandIn(base / "kubelet", info_poll_interval=None) as kubelet:
+                kubelet.wait_registered(DRIVER)
+                apiserver.put_claim(build_resource_claim("vms", "vm-gpu", ["gpu"], DRIVER))
+                stored = apiserver.set_allocation(
+                    "vms", "vm-gpu", [AllocatedDevice("gpu", DRIVER, NODE, "pci-0000-18-00-0")],
+                    NODE,
+                )  # fmt: skip
+                claim = Claim("vms", stored["metadata"]["uid"], "vm-gpu")
+                assert kubelet.node_prepare_resources([claim])[claim.uid].error == ""
+        finally:
+            driver.stop()
+        state, metadata = base / "state", base / "state" / "metadata" / claim.uid
+        # Only root writes anywhere. The runtime (root) reads the CDI specs and mounts the
+        # metadata files, which KubeVirt reads in the launcher pod as uid 107: readable by all;
+        # the claim records and binding journals are root's alone.
+        assert {
+            str(path.relative_to(base)): oct(mode_of(path))
+            for path in (
+                base / "kubelet",
+                base / "kubelet" / "plugins",
+                base / "kubelet" / "plugins" / DRIVER,
+                base / "cdi",
+                base / "cdi" / f"{DRIVER}-claim_{claim.uid}.json",
+                state,
+                state / "claims",
+                state / "claims" / f"{claim.uid}.json",
+                state / "bindings",
+                state / "metadata",
+                metadata,
+                metadata / "gpu",
+                *(metadata / "gpu").iterdir(),
+            )
+        } == {
+            "kubelet": "0o750",
+            "kubelet/plugins": "0o750",
+            f"kubelet/plugins/{DRIVER}": "0o750",
+            "cdi": "0o755",
+            f"cdi/{DRIVER}-claim_{claim.uid}.json": "0o644",
+            "state": "0o755",
+            "state/claims": "0o700",
+            f"state/claims/{claim.uid}.json": "0o600",
+            "state/bindings": "0o700",
+            "state/metadata": "0o755",
+            f"state/metadata/{claim.uid}": "0o755",
+            f"state/metadata/{claim.uid}/gpu": "0o755",
+            f"state/metadata/{claim.uid}/gpu/{DRIVER}-metadata.json": "0o644",
+        }
+
+
+@pytest.mark.parametrize(
+    ("directory", "what", "mode"),
+    [
+        ("claims", "claim records directory", 0o700),
+        ("bindings", "binding journal directory", 0o700),
+        ("metadata", "metadata directory", 0o755),
+    ],
+    ids=["claims", "bindings", "metadata"],
+)
+@pytest.mark.parametrize("spoil", ["mode-0777", "symlink"])
+def test_a_state_subdirectory_another_user_could_write_is_refused_at_start(
+    scenario_root: ScenarioRoot,
+    api_client: kubernetes.client.ApiClient,
+    directory: str,
+    what: str,
+    mode: int,
+    spoil: str,
+) -> None:
+    with short_directory() as base:
+        settings = driver_settings(scenario_root("hgx-h100"), base, 0.2)
+        path = settings.state_dir / directory
+        if spoil == "symlink":
+            (base / "elsewhere").mkdir(mode=0o700)
+            settings.state_dir.mkdir()
+            path.symlink_to(base / "elsewhere")
+            problem = "is a symbolic link"
+        else:
+            path.mkdir(parents=True)
+            path.chmod(0o777)
+            problem = "is writable by other users (mode 0777)"
+        driver = DraDriver(settings, default_config(), PciIds(None), ResourceApi(api_client))
+        with pytest.raises(UnsafeDirectory) as caught:
+            driver.start()
+        assert str(caught.value) == (
+            f"{what} {path} {problem}; make it a real directory owned by root with mode {mode:04o}"
+        )
+        assert not settings.kubelet_dir.exists()

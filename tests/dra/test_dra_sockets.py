@@ -3,6 +3,7 @@ both DRA versions, a kubelet restart survived, nothing left behind on stop."""
 
 from __future__ import annotations
 
+import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -126,3 +127,28 @@ def test_stop_removes_both_sockets(node: Node, kubelet_dir: Path) -> None:
     assert not any(p.exists() for p in paths)
     # No private staging directories left either.
     assert [p.name for p in (kubelet_dir / "plugins_registry").iterdir()] == []
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_socket_directories_are_made_0750_whatever_the_umask(node: Node, kubelet_dir: Path) -> None:
+    served = KubeletSockets(
+        kubelet_dir,
+        DRIVER,
+        DraServicerV1(node.preparer),
+        DraServicerV1beta1(node.preparer),
+        check_interval=0.05,
+    )
+    served.start()
+    try:
+        dra_dir = dra_socket_path(kubelet_dir, DRIVER).parent
+        made = [kubelet_dir, kubelet_dir / "plugins", dra_dir, kubelet_dir / "plugins_registry"]
+        assert [oct(stat.S_IMODE(p.stat().st_mode)) for p in made] == ["0o750"] * 4
+        # Wiped by a restarting kubelet: made again, with the same mode.
+        shutil.rmtree(dra_dir)
+        deadline = time.monotonic() + 5
+        while not dra_socket_path(kubelet_dir, DRIVER).is_socket():
+            assert time.monotonic() < deadline, "the DRA socket was not served again"
+            time.sleep(0.02)
+        assert oct(stat.S_IMODE(dra_dir.stat().st_mode)) == "0o750"
+    finally:
+        served.stop()

@@ -77,3 +77,14 @@ def test_make_private_directory_makes_then_checks(tmp_path: Path) -> None:
     (tmp_path / "cdi").chmod(0o777)
     with pytest.raises(UnsafeDirectory):
         make_private_directory(tmp_path / "cdi", 0o755, "CDI directory", "fix")
+
+
+def test_without_a_fix_the_message_says_what_the_directory_must_be(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "state").symlink_to(tmp_path / "real")
+    with pytest.raises(UnsafeDirectory) as caught:
+        make_private_directory(tmp_path / "state", 0o700, "state directory")
+    assert str(caught.value) == (
+        f"state directory {tmp_path / 'state'} is a symbolic link; make it a real directory"
+        " owned by root with mode 0700"
+    )
