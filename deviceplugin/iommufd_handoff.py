@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Literal
 
 from deviceplugin.iommu_ioctl import set_rlimit_mode_per_process
+from hostdev.directories import make_directories
 from hostdev.unix_socket import MAX_SOCKET_PATH, bind_unix_socket_path
 
 log = logging.getLogger(__name__)
@@ -474,7 +475,7 @@ def _release(handoff: _Handoff) -> None:
 
 def _prepare_socket_dir(socket_dir: Path) -> None:
     try:
-        socket_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        make_directories(socket_dir, 0o755)
         for stale in socket_dir.glob("iommufd-*.sock"):
             if stat.S_ISSOCK(stale.lstat().st_mode):
                 stale.unlink()

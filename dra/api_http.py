@@ -28,6 +28,8 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.response import BaseHTTPResponse
 
+from hostdev.untrusted import quote_untrusted
+
 Object = dict[str, Any]
 MiB = 1024 * 1024
 READ_SIZE = 64 * 1024
@@ -351,7 +353,9 @@ def parse_event(what: str, line: bytes) -> tuple[str, Object]:
 def _status_error(what: str, status: int, data: bytes) -> ApiError:
     message = ""
     with suppress(ApiError):
-        message = str(_json_object(what, data).get("message", ""))[:500]
+        # The server's words, quoted: a lone surrogate or a control character in them must not
+        # reach the kubelet's answer (protobuf strings are UTF-8) or the log as it came.
+        message = quote_untrusted(str(_json_object(what, data).get("message", "")), 500)
     hint = {
         401: "the driver's credentials were refused",
         403: "RBAC denies it: grant the driver's service account this verb (docs/dra.md)",

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, NoReturn, get_args
+from typing import Any, Literal, NoReturn, cast, get_args
 
 from hostdev.atomic_file import sync_directory, write_file_atomically
 from hostdev.bdf import Bdf
@@ -84,20 +84,34 @@ class JournalEntry:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> JournalEntry:
-        phase = data["phase"]
+    def from_json(cls, data: object) -> JournalEntry:
+        """The entry `to_json` wrote; any other JSON value raises ValueError naming the field,
+        so an entry someone mangled is reported, never a traceback at start."""
+        if not isinstance(data, dict):
+            raise ValueError(f"the entry: expected an object, found {type(data).__name__}")
+        phase = data.get("phase")
         if phase not in get_args(Phase):
-            raise ValueError(f"unknown phase {phase!r}")
+            raise ValueError(f"phase: expected one of {', '.join(get_args(Phase))}")
+        claim_uid = data.get("claimUID")
+        if not isinstance(claim_uid, str):
+            raise ValueError("claimUID: expected a string")
+        moved = data.get("moved")
+        if not isinstance(moved, list):
+            raise ValueError("moved: expected an array")
+        reset_after_use = data.get("resetAfterUse", False)
+        if not isinstance(reset_after_use, bool):
+            raise ValueError("resetAfterUse: expected true or false")
         requested = data.get("requested")
+        if requested is not None and not (
+            isinstance(requested, list) and all(isinstance(b, str) for b in requested)
+        ):
+            raise ValueError("requested: expected an array of PCI addresses")
         return cls(
-            claim_uid=str(data["claimUID"]),
-            phase=phase,
-            moved=tuple(
-                Moved(Bdf.parse(str(m["bdf"])), m.get("driver"), m.get("override"))
-                for m in data["moved"]
-            ),
-            reset_after_use=bool(data.get("resetAfterUse", False)),
-            requested=None if requested is None else tuple(Bdf.parse(str(b)) for b in requested),
+            claim_uid=claim_uid,
+            phase=cast(Phase, phase),
+            moved=tuple(_moved_from_json(item, index) for index, item in enumerate(moved)),
+            reset_after_use=reset_after_use,
+            requested=None if requested is None else tuple(Bdf.parse(b) for b in requested),
         )
 
     def asks_for(self, bdfs: Iterable[Bdf]) -> bool:
@@ -200,7 +214,7 @@ class OnDemandBinder:
         for path in sorted(self._dir.glob("*.json")) if self._dir.is_dir() else ():
             try:
                 entry = JournalEntry.from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, RecursionError):
                 continue
             for bdf in (*(m.bdf for m in entry.moved), *(entry.requested or ())):
                 found.setdefault(bdf, entry.claim_uid)
@@ -215,7 +229,7 @@ class OnDemandBinder:
         for path in sorted(self._dir.glob("*.json")) if self._dir.is_dir() else ():
             try:
                 entry = JournalEntry.from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError) as error:
+            except (OSError, ValueError, RecursionError) as error:
                 done.append(f"unreadable binding journal {path}: {error}; left for a person")
                 continue
             if entry.phase == "bound" and entry.claim_uid in keep:
@@ -317,14 +331,14 @@ class OnDemandBinder:
 
     def _record(self, entry: JournalEntry) -> None:
         data = json.dumps(entry.to_json(), indent=1).encode()
-        write_file_atomically(self._path(entry.claim_uid), data, 0o600)
+        write_file_atomically(self._path(entry.claim_uid), data, 0o600, directory_mode=0o700)
 
     def _read(self, claim_uid: str) -> JournalEntry | None:
         try:
             return JournalEntry.from_json(json.loads(self._path(claim_uid).read_text()))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (OSError, ValueError, RecursionError) as error:
             raise BindingError(
                 f"binding journal {self._path(claim_uid)} is unreadable: {error}; check the"
                 " device's driver with kubevirt-iommufd inspect, then remove the file"
@@ -334,6 +348,16 @@ class OnDemandBinder:
         self._path(claim_uid).unlink(missing_ok=True)
         if self._dir.is_dir():
             sync_directory(self._dir)
+
+
+def _moved_from_json(item: object, index: int) -> Moved:
+    if not isinstance(item, dict) or not isinstance(item.get("bdf"), str):
+        raise ValueError(f"moved[{index}]: expected an object with a PCI address as bdf")
+    driver, override = item.get("driver"), item.get("override")
+    for name, value in (("driver", driver), ("override", override)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"moved[{index}].{name}: expected a string or null")
+    return Moved(Bdf.parse(item["bdf"]), driver, override)
 
 
 def _check_earlier(earlier: JournalEntry, claim_uid: str, bdfs: Sequence[Bdf]) -> None:

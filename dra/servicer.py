@@ -71,7 +71,9 @@ class _DraService:
         for uid, answer in answers.items():
             entry = response.claims[uid]
             if isinstance(answer, str):
-                entry.error = answer
+                # Protobuf strings must be UTF-8: one unencodable character from a peer must not
+                # fail the whole call (gRPC UNKNOWN) instead of this claim.
+                entry.error = answer.encode("utf-8", "backslashreplace").decode("utf-8")
                 continue
             entry.devices.extend(
                 self.pb2.Device(

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from hostdev.directories import make_directories
 from hostdev.errors import HostdevError, RootNotFound
 
 LOCK_PATH = "var/lib/kubevirt-iommufd/binding.lock"
@@ -140,7 +141,7 @@ def _open_lock_file(root: Path, path: Path) -> int:
     if not root.is_dir():
         raise RootNotFound(str(root))
     try:
-        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        make_directories(path.parent, 0o755)
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as error:
         raise BindingLockError(

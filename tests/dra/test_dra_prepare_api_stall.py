@@ -125,3 +125,19 @@ def test_two_claims_racing_for_one_device_never_both_get_it(
         errors = sorted(c.result(timeout=30).popitem()[1].error for c in calls)
     assert errors[0] == ""
     assert "pci-0000-18-00-0 (0000:18:00.0) is already prepared for claim vms/" in errors[1]
+
+
+def test_an_api_error_message_no_utf8_can_carry_fails_its_claim_only(
+    kubelet: DRAKubeletStandIn, apiserver: ApiServerStandIn
+) -> None:
+    """A lone surrogate in a Status message is valid JSON but no protobuf string: it must not
+    turn the whole call into gRPC UNKNOWN."""
+    good = allocated(apiserver, "good", "pci-0000-18-00-0")
+    bad = allocated(apiserver, "bad", "pci-0000-2a-00-0")
+    body = b'{"kind":"Status","message":"claim \\ud800\\u001b[2J gone"}'
+    apiserver.answer_next(body, status=404, method="GET", path="/resourceclaims/bad")
+    answers = kubelet.node_prepare_resources([good, bad])
+    assert answers[good.uid].error == ""
+    assert "not found" in answers[bad.uid].error
+    assert "\\ud800" in answers[bad.uid].error
+    assert "\x1b" not in answers[bad.uid].error
