@@ -89,6 +89,12 @@ class ClaimPreparer:
         # One claim at a time: two claims racing for one device must not both see it free. It
         # is never held over a call to the API server, so NodeUnprepare never waits on one.
         self._lock = threading.Lock()
+        self._reading: dict[str, int] = {}
+        """Claim GETs under way, by claim UID."""
+        self._withdrawn: dict[str, int] = {}
+        """By claim UID, how many NodeUnprepares came while GETs of it were under way: a
+        prepare whose GET began before one must not go on, or it would bind and record a claim
+        the kubelet has already let go of, and nothing would ever unprepare it."""
 
     def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PreparedClaim | str]:
         answers: dict[str, PreparedClaim | str] = {}
@@ -122,10 +128,24 @@ class ClaimPreparer:
             known = self._store.get(ref.uid)
             if known is not None and self._still_prepared(known):
                 return known
+            withdrawn_before = self._withdrawn.get(ref.uid, 0)
+            self._reading[ref.uid] = self._reading.get(ref.uid, 0) + 1
         # The API server is asked without the lock: a slow answer holds up this claim only.
-        allocation = parse_allocation(
-            self._claims.read_claim(ref.namespace, ref.name), ref, self._driver, self._pool
-        )
+        try:
+            claim = self._claims.read_claim(ref.namespace, ref.name)
+        finally:
+            with self._lock:
+                withdrawn = self._withdrawn.get(ref.uid, 0) != withdrawn_before
+                self._reading[ref.uid] -= 1
+                if not self._reading[ref.uid]:
+                    del self._reading[ref.uid]
+                    self._withdrawn.pop(ref.uid, None)
+        if withdrawn:
+            raise ClaimError(
+                f"{ref}: unprepared while its claim was being read from the API server, so it is"
+                " not prepared; the kubelet asks again if a pod still needs it"
+            )
+        allocation = parse_allocation(claim, ref, self._driver, self._pool)
         with self._lock:
             # Looked at again: while the answer came, another call may have prepared this claim
             # (a kubelet retry) or taken its devices for another.
@@ -244,6 +264,8 @@ class ClaimPreparer:
     def _unprepare_one(self, ref: ClaimRef) -> None:
         _check_ref(ref)
         with self._lock:
+            if ref.uid in self._reading:
+                self._withdrawn[ref.uid] = self._withdrawn.get(ref.uid, 0) + 1
             known = self._store.get(ref.uid)
             # The files have fixed names, so a claim whose record was never written (a crash
             # between writing and recording) is still cleaned up.

@@ -9,6 +9,7 @@ import json
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -342,3 +343,34 @@ def test_a_device_whose_give_back_failed_is_not_handed_to_another_claim(
     assert node.preparer.unprepare([REF]) == {REF.uid: None}
     assert drivers(node) == BEFORE
     assert isinstance(node.preparer.prepare([OTHER])[OTHER.uid], PreparedClaim)
+
+
+def test_an_unprepare_while_the_claim_is_being_read_stops_that_prepare(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet gave up on a slow NodePrepare and the pod is gone: it unprepares while the
+    claim GET is still under way. The prepare must not then bind and record the claim: nothing
+    would ever unprepare it, and the device would stay on VFIO, held, for good."""
+    node.claims.add(REF, [("gpu", GPU_DEVICE)])
+    inside, go = threading.Event(), threading.Event()
+    read = node.claims.read_claim
+
+    def slow(namespace: str, name: str) -> dict[str, Any]:
+        inside.set()
+        assert go.wait(10)
+        return read(namespace, name)
+
+    monkeypatch.setattr(node.claims, "read_claim", slow)
+    answers: dict[str, object] = {}
+    preparing = threading.Thread(target=lambda: answers.update(node.preparer.prepare([REF])))
+    preparing.start()
+    assert inside.wait(10)
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
+    go.set()
+    preparing.join(10)
+    assert isinstance(answers[REF.uid], str) and "unprepared while" in str(answers[REF.uid])
+    assert drivers(node) == BEFORE
+    assert not (node.state_dir / "claims" / f"{REF.uid}.json").exists()
+    # A later prepare (the kubelet's, for a pod that still needs it) goes through.
+    monkeypatch.undo()
+    assert isinstance(node.preparer.prepare([REF])[REF.uid], PreparedClaim)
