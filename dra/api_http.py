@@ -26,6 +26,7 @@ import urllib3
 from kubernetes import client
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.exceptions import ConnectTimeoutError
 from urllib3.response import BaseHTTPResponse
 
 from hostdev.untrusted import quote_untrusted
@@ -129,6 +130,14 @@ class _Cuttable(_Base):
     _shutter: socket.socket | None = None
 
     def _new_conn(self) -> socket.socket:
+        # A connect is no socket the timer can cut yet, and urllib3 retries it: each attempt
+        # gets what is left of the call's time, and none starts once it is gone.
+        deadline: Deadline | None = getattr(_current, "deadline", None)
+        if deadline is not None:
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                raise ConnectTimeoutError(self, "the call's deadline passed before connecting")
+            self.timeout = remaining if self.timeout is None else min(self.timeout, remaining)
         sock = super()._new_conn()
         self._close_shutter()
         # The same TCP connection under a descriptor of our own: TLS detaches `sock` while it

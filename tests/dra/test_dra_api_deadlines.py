@@ -210,3 +210,28 @@ def test_a_watch_ends_when_the_server_ends_it(
     apiserver.put_node(NODE)
     _, version = resource_api.list_slices(NODE, DRIVER)
     assert list(resource_api.watch_slices(NODE, DRIVER, version, timeout_seconds=1)) == []
+
+
+def test_a_connect_that_never_completes_ends_at_the_deadline() -> None:
+    """A listener whose backlog is full never accepts: each connect attempt times out, and
+    urllib3 retries it. Every attempt gets only what is left of the call's time."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    waiting: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            waiting.append(filler)
+        configuration = kubernetes.client.Configuration()
+        configuration.host = f"http://127.0.0.1:{port}"
+        api = ResourceApi(kubernetes.client.ApiClient(configuration), call_seconds=DEADLINE)
+        message, _ = failed_within(DEADLINE + 1.0, lambda: api.read_claim("vms", "gpu"))
+        assert message == "get resourceclaim vms/gpu: the API server did not answer within 1 s"
+    finally:
+        for filler in waiting:
+            filler.close()
+        listener.close()
