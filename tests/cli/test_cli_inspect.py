@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kubevirt_iommufd.cli import main
-from prepared_records import BAD_RECORDS, UID, good_record, write_record
+from prepared_records_kit import BAD_RECORDS, UID, good_record, write_record
 from sim.host import BuildHost, HostSpec
 
 ScenarioRoot = Callable[[str], Path]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cdi_schema import CdiSpecError, minimum_cdi_version, validate_cdi_spec
+from dra_cdi_schema_kit import CdiSpecError, minimum_cdi_version, validate_cdi_spec
 
 UID = "0b6f6a5e-3c1d-4b8e-9f11-2a7c5d9e8f01"
 

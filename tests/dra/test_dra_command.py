@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dra_testkit import DRIVER, NODE, short_directory
-from prepared_records import BAD_RECORDS, write_record
+from dra_kit import DRIVER, NODE, short_directory
+from prepared_records_kit import BAD_RECORDS, write_record
 from sim.apiserver import ApiServerStandIn
 from sim.dra_kubelet import DRAKubeletStandIn
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import kubernetes.client
 import pytest
 
-from cdi_schema import validate_cdi_spec
 from dra.api import ResourceApi
 from dra.claims import ClaimRef
 from dra.driver import DraDriver, DriverSettings
-from dra_testkit import DRIVER, NODE, driver_settings, short_directory
+from dra_cdi_schema_kit import validate_cdi_spec
+from dra_kit import DRIVER, NODE, driver_settings, short_directory
 from hostdev.config import default_config
 from hostdev.directories import UnsafeDirectory
 from hostdev.pciids import PciIds

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dra.state import PreparedClaim
-from dra_testkit import REF, Node
+from dra_kit import REF, Node
 from kubevirt_iommufd.cli import main
 
 ScenarioRoot = Callable[[str], Path]

@@ -12,7 +12,7 @@ import kubernetes.client
 
 from dra.api import ResourceApi
 from dra.driver import DraDriver
-from dra_testkit import NODE, driver_settings, short_directory
+from dra_kit import NODE, driver_settings, short_directory
 from hostdev.config import Binding, default_config
 from hostdev.labels.feature_file import FeatureFile
 from hostdev.labels.node_patch import NodeLabeler

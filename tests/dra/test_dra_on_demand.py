@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from cdi_schema import validate_cdi_spec
 from dra.binding import JournalEntry, Moved
 from dra.devices import build_devices
 from dra.state import ClaimStore, PreparedClaim
-from dra_testkit import OTHER, REF, Node
+from dra_cdi_schema_kit import validate_cdi_spec
+from dra_kit import OTHER, REF, Node
 from hostdev.bdf import Bdf
 from hostdev.binding.lock import hold_binding_lock
 from hostdev.config import Binding, PluginConfig, ResourceConfig, Selectors

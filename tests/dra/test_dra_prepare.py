@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cdi_schema import validate_cdi_spec
 from dra.claims import ClaimRef
 from dra.devices import build_devices
 from dra.state import PreparedClaim, StateError
-from dra_testkit import DRIVER, NODE, OTHER, REF, Node
+from dra_cdi_schema_kit import validate_cdi_spec
+from dra_kit import DRIVER, NODE, OTHER, REF, Node
 from hostdev.bdf import Bdf
 from hostdev.config import default_config
 from hostdev.scan import scan_host

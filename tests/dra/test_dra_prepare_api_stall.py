@@ -16,7 +16,7 @@ import pytest
 
 from dra.api import ResourceApi
 from dra.driver import DraDriver
-from dra_testkit import DRIVER, NODE, driver_settings, short_directory
+from dra_kit import DRIVER, NODE, driver_settings, short_directory
 from hostdev.config import default_config
 from hostdev.pciids import PciIds
 from sim.apiserver import AllocatedDevice, ApiServerStandIn, build_resource_claim

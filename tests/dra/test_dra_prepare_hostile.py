@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cdi_schema import validate_cdi_spec
 from dra.claims import POD_CLAIM_NAME_ANNOTATION
 from dra.state import PreparedClaim
-from dra_testkit import DRIVER, OTHER, REF, Node
+from dra_cdi_schema_kit import validate_cdi_spec
+from dra_kit import DRIVER, OTHER, REF, Node
 
 ScenarioRoot = Callable[[str], Path]
 GPU = "pci-0000-18-00-0"

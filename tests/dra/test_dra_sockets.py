@@ -16,7 +16,7 @@ from dra.kubelet_sockets import KubeletSockets, dra_socket_path, registration_so
 from dra.pluginregistration.v1 import api_pb2 as reg_pb2
 from dra.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from dra.servicer import DraServicerV1, DraServicerV1beta1
-from dra_testkit import DRIVER, REF, Node, short_directory
+from dra_kit import DRIVER, REF, Node, short_directory
 from sim.dra_kubelet import Claim, DRAKubeletStandIn
 
 ScenarioRoot = Callable[[str], Path]

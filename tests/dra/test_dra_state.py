@@ -11,7 +11,7 @@ import pytest
 
 from dra.state import ClaimStore, PreparedClaim, StateError, read_prepared_claims
 from hostdev.directories import UnsafeDirectory
-from prepared_records import BAD_RECORDS, UID, good_record, with_field, write_record
+from prepared_records_kit import BAD_RECORDS, UID, good_record, with_field, write_record
 
 FIX = "check which device the claim had (kubevirt-iommufd inspect), then fix or remove the file"
 

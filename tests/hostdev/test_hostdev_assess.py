@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 
-from host_values import AUDIO, FULL, function
 from hostdev.assess import Assessment, Backend, assess_function
 from hostdev.model import (
     GroupMember,
@@ -17,6 +16,7 @@ from hostdev.model import (
     is_group_safe_driver,
     is_vfio_driver,
 )
+from hostdev_kit import AUDIO, FULL, function
 
 
 def verdict(

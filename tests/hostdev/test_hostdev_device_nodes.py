@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from host_values import AUDIO, FULL, GPU, function
 from hostdev.bdf import Bdf
 from hostdev.config import DeviceMode
 from hostdev.device_nodes import build_device_nodes
 from hostdev.model import GroupMember, HostCapabilities, IommuGroup, PciFunction
+from hostdev_kit import AUDIO, FULL, GPU, function
 
 CDEV, IOMMU, CONTAINER, GROUP = (
     "/dev/vfio/devices/vfio0",

@@ -17,7 +17,7 @@ import urllib3
 from kubernetes.client import ApiException, CoreV1Api, ResourceV1Api, V1ResourceSlice
 from kubernetes.watch import Watch
 
-from k8s_schema import assert_valid, schema_errors
+from k8s_schema_kit import assert_valid, schema_errors
 from sim.apiserver import (
     AllocatedDevice,
     ApiServerStandIn,

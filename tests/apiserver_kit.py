@@ -1,4 +1,4 @@
-"""The DRA tests' shared fixtures (conftest.py re-exports them): the API server stand-in on
+"""The API server stand-in as fixtures (tests/dra and tests/sim conftest.py re-export them): on
 loopback, checking every object a client sends against the official Kubernetes 1.37 schema as well
 as the server's own rules."""
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import kubernetes.client
 import pytest
 
-from k8s_schema import schema_errors
+from k8s_schema_kit import schema_errors
 from sim.apiserver import ApiServerStandIn, running_apiserver
 
 
