@@ -211,13 +211,10 @@ class OnDemandBinder:
         may be handed them, or the next start would take them back from under it. Unreadable
         entries are left to `recover`, which names them."""
         found: dict[Bdf, str] = {}
-        for path in sorted(self._dir.glob("*.json")) if self._dir.is_dir() else ():
-            try:
-                entry = JournalEntry.from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, RecursionError):
-                continue
-            for bdf in (*(m.bdf for m in entry.moved), *(entry.requested or ())):
-                found.setdefault(bdf, entry.claim_uid)
+        for _, entry in self._entries():
+            if isinstance(entry, JournalEntry):
+                for bdf in (*(m.bdf for m in entry.moved), *(entry.requested or ())):
+                    found.setdefault(bdf, entry.claim_uid)
         return found
 
     # Start-up --------------------------------------------------------------------------------
@@ -226,11 +223,9 @@ class OnDemandBinder:
         still holds; keep what prepared claims hold. Returns what was done, one line each."""
         keep = set(prepared)
         done: list[str] = []
-        for path in sorted(self._dir.glob("*.json")) if self._dir.is_dir() else ():
-            try:
-                entry = JournalEntry.from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, RecursionError) as error:
-                done.append(f"unreadable binding journal {path}: {error}; left for a person")
+        for path, entry in self._entries():
+            if not isinstance(entry, JournalEntry):
+                done.append(f"unreadable binding journal {path}: {entry}; left for a person")
                 continue
             if entry.phase == "bound" and entry.claim_uid in keep:
                 continue
@@ -326,6 +321,15 @@ class OnDemandBinder:
             self._access.sleep(0.05)
         return True
 
+    def _entries(self) -> Iterator[tuple[Path, JournalEntry | Exception]]:
+        """Every entry of the journal, or why it cannot be read."""
+        for path in sorted(self._dir.glob("*.json")) if self._dir.is_dir() else ():
+            try:
+                entry: JournalEntry | Exception = _read_entry(path)
+            except (OSError, ValueError, RecursionError) as error:
+                entry = error
+            yield path, entry
+
     def _path(self, claim_uid: str) -> Path:
         return self._dir / f"{claim_uid}.json"
 
@@ -335,7 +339,7 @@ class OnDemandBinder:
 
     def _read(self, claim_uid: str) -> JournalEntry | None:
         try:
-            return JournalEntry.from_json(json.loads(self._path(claim_uid).read_text()))
+            return _read_entry(self._path(claim_uid))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, RecursionError) as error:
@@ -348,6 +352,10 @@ class OnDemandBinder:
         self._path(claim_uid).unlink(missing_ok=True)
         if self._dir.is_dir():
             sync_directory(self._dir)
+
+
+def _read_entry(path: Path) -> JournalEntry:
+    return JournalEntry.from_json(json.loads(path.read_text()))
 
 
 def _moved_from_json(item: object, index: int) -> Moved:
