@@ -9,12 +9,11 @@ import tempfile
 from pathlib import Path
 
 from hostdev.bdf import Bdf
-from hostdev.config import ConfigError, PluginConfig, default_config, load_config
 from hostdev.errors import HostdevError
 from hostdev.labels.node_labels import build_node_labels, count_iommufd_devices
-from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
 from kubevirt_iommufd.inspect_report import SCHEMA, build_report, render_table
+from kubevirt_iommufd.options import read_config_option, read_pci_ids_option
 from sim.host import SCENARIOS, build_tree
 
 DRA_STATE_DIR = "var/lib/kubevirt-iommufd/dra"
@@ -76,8 +75,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     only = [Bdf.parse(text) for text in args.bdfs]
-    config = _config(args.config)
-    names = _pci_ids(args.pci_ids)
+    config = read_config_option(args.config)
+    names = read_pci_ids_option(args.pci_ids)
     if args.example:
         with tempfile.TemporaryDirectory(prefix="kubevirt-iommufd-example-") as tree:
             inventory = scan_host(
@@ -100,26 +99,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render_table(report))
     return 0
-
-
-def _config(option: str | None) -> PluginConfig:
-    if option is None:
-        return default_config()
-    try:
-        return load_config(Path(option))
-    except ConfigError as error:
-        raise HostdevError(str(error)) from None
-
-
-def _pci_ids(option: str | None) -> PciIds:
-    if option is None:
-        return PciIds.find()
-    if option == "none":
-        return PciIds(None)
-    path = Path(option)
-    if not path.is_file():
-        raise HostdevError(f"pci.ids file {option!r} not found; pass an existing file or 'none'")
-    return PciIds(path)
 
 
 def _prepared(args: argparse.Namespace) -> dict[Bdf, str] | None:
