@@ -85,9 +85,9 @@ def metadata_container_path(allocation: ClaimAllocation, request: str, driver: s
     """Where KubeVirt looks for a main request's metadata: under the pod's own name for a claim
     made from a template, under the claim's name otherwise. A claim the scheduler made for
     extended resources has no pod-claim-name, so its metadata lies under its generated name
-    (`<pod>-extended-resources-<suffix>`), where KEP-5304 readers find it through
-    `pod.status.extendedResourceClaimStatus`; KubeVirt never looks there: a `deviceName` device
-    takes its address from `PCI_RESOURCE_<NAME>` (`build_request_env`)."""
+    (`<pod>-extended-resources-<suffix>`, which the pod's
+    `status.extendedResourceClaimStatus.resourceClaimName` gives); KubeVirt never looks there: a
+    `deviceName` device takes its address from `PCI_RESOURCE_<NAME>` (`build_request_env`)."""
     name = allocation.pod_claim_name or allocation.ref.name
     return str(metadata_container_base(allocation) / name / request / metadata_file_name(driver))
 
