@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-from pathlib import Path
 
 import yaml
 
 from dra.device_classes import DeviceClassError, build_device_classes, plan_resource_names
 from hostdev.errors import HostdevError
 from hostdev.model import PciFunction
-from hostdev.scan import scan_host
-from kubevirt_iommufd.options import read_config_option, read_pci_ids_option
-from sim.host import SCENARIOS, build_tree
+from kubevirt_iommufd.options import read_config_option, read_pci_ids_option, scan_node_option
+from sim.host import SCENARIOS
 
 DEFAULT_DRIVER = "vfio.kubevirt-iommufd.io"
 
@@ -93,12 +90,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _functions(args: argparse.Namespace) -> tuple[PciFunction, ...]:
-    if args.example:
-        with tempfile.TemporaryDirectory(prefix="kubevirt-iommufd-example-") as tree:
-            return scan_host(build_tree(SCENARIOS[args.example](), Path(tree))).functions
-    if args.root:
-        return scan_host(args.root).functions
-    return ()
+    if args.root is None and args.example is None:
+        return ()
+    return scan_node_option(args.root or "/", args.example).functions
 
 
 def _device_id(text: str) -> tuple[int, int]:

@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from hostdev.bdf import Bdf
 from hostdev.errors import HostdevError
 from hostdev.labels.node_labels import build_node_labels, count_iommufd_devices
-from hostdev.scan import scan_host
 from kubevirt_iommufd.inspect_report import SCHEMA, build_report, render_table
-from kubevirt_iommufd.options import read_config_option, read_pci_ids_option
-from sim.host import SCENARIOS, build_tree
+from kubevirt_iommufd.options import read_config_option, read_pci_ids_option, scan_node_option
+from sim.host import SCENARIOS
 
 DRA_STATE_DIR = "var/lib/kubevirt-iommufd/dra"
 
@@ -77,13 +75,7 @@ def run(args: argparse.Namespace) -> int:
     only = [Bdf.parse(text) for text in args.bdfs]
     config = read_config_option(args.config)
     names = read_pci_ids_option(args.pci_ids)
-    if args.example:
-        with tempfile.TemporaryDirectory(prefix="kubevirt-iommufd-example-") as tree:
-            inventory = scan_host(
-                build_tree(SCENARIOS[args.example](), Path(tree)), reset_methods=True
-            )
-    else:
-        inventory = scan_host(args.root, reset_methods=True)
+    inventory = scan_node_option(args.root, args.example, reset_methods=True)
     missing = [bdf for bdf in only if inventory.function(bdf) is None]
     if missing:
         listed = ", ".join(str(b) for b in missing)
