@@ -6,6 +6,23 @@ which KubeVirt's DRA path opens (and chowns for QEMU only when /dev/vfio/vfio is
 Beside the devices, one entry per request mounts that request's metadata file where KubeVirt
 reads the device's PCI address. Entry names cannot clash: a device's is its name in the slice
 (`pci-…`, once per device), a metadata entry's the request's (`metadata-…`, once per request).
+
+A claim the scheduler made for a pod's extended resources (a launcher pod of a `deviceName` VMI)
+also sets, in its request entries, the variable virt-launcher reads such devices from:
+`PCI_RESOURCE_<NAME>` (KubeVirt pkg/virt-launcher/virtwrap/device/hostdevice/addresspool.go,
+`util.ResourceNameToEnvVar`), the request's addresses of that resource comma-separated, as the
+device plugin's Allocate sets it. The variable sits in the request's entry, not in a device's nor
+in the spec's own edits, because of how the runtime merges them (tags.cncf.io/container-device-
+interface pkg/cdi/cache.go InjectDevices and container-edits.go Apply): the spec's edits are
+applied before its first device's, each entry's after, and a variable set twice keeps the value
+set last. One variable per device would leave the last device alone in it; one in the spec's
+edits would be undone by any device entry setting it and would reach every container of the pod.
+The request entry comes with every device of its request and only to the containers that asked
+for that request, and the scheduler makes one request per container and extended resource: each
+container sees exactly its own devices. Claims written by users set no variable: KubeVirt's DRA
+path reads the metadata, and a variable could override the device plugin's for a resource both
+serve on one node; the scheduler makes an extended-resource claim only where no device plugin
+offers the resource.
 """
 
 from __future__ import annotations
@@ -16,6 +33,7 @@ from typing import Any
 
 from dra.claims import Allocated, ClaimAllocation
 from dra.devices import DraDevice, typed_attributes
+from hostdev.naming import pci_resource_env
 
 CDI_VERSION = "0.6.0"
 METADATA_API_VERSION = "metadata.resource.k8s.io/v1alpha1"
@@ -65,7 +83,11 @@ def metadata_container_base(allocation: ClaimAllocation) -> PurePosixPath:
 
 def metadata_container_path(allocation: ClaimAllocation, request: str, driver: str) -> str:
     """Where KubeVirt looks for a main request's metadata: under the pod's own name for a claim
-    made from a template, under the claim's name otherwise."""
+    made from a template, under the claim's name otherwise. A claim the scheduler made for
+    extended resources has no pod-claim-name, so its metadata lies under its generated name
+    (`<pod>-extended-resources-<suffix>`, which the pod's
+    `status.extendedResourceClaimStatus.resourceClaimName` gives); KubeVirt never looks there: a
+    `deviceName` device takes its address from `PCI_RESOURCE_<NAME>` (`build_request_env`)."""
     name = allocation.pod_claim_name or allocation.ref.name
     return str(metadata_container_base(allocation) / name / request / metadata_file_name(driver))
 
@@ -131,18 +153,42 @@ def build_spec(
         {
             "name": metadata_cdi_name(uid, request),
             "containerEdits": {
+                **_request_env(allocation, request, devices),
                 "mounts": [
                     {
                         "hostPath": host_path,
                         "containerPath": metadata_container_path(allocation, request, driver),
                         "options": ["ro", "nosuid", "nodev", "bind"],
                     }
-                ]
+                ],
             },
         }
         for request, host_path in sorted(metadata_host_paths.items())
     ]
     return {"cdiVersion": CDI_VERSION, "kind": cdi_kind(driver), "devices": entries}
+
+
+def build_request_env(
+    allocation: ClaimAllocation, request: str, devices: Mapping[str, DraDevice]
+) -> dict[str, str]:
+    """What a main request of an extended-resource claim sets in its containers: per resource
+    among its devices, `PCI_RESOURCE_<NAME>` = their addresses in allocation order (virt-launcher
+    hands them to the VMI's devices by position). Nothing for other claims."""
+    if not allocation.extended_resources:
+        return {}
+    by_resource: dict[str, list[str]] = {}
+    for item in allocation.devices:
+        if main_request(item.request) == request:
+            device = devices[item.device]
+            by_resource.setdefault(device.resource, []).append(str(device.bdf))
+    return {pci_resource_env(name): ",".join(bdfs) for name, bdfs in sorted(by_resource.items())}
+
+
+def _request_env(
+    allocation: ClaimAllocation, request: str, devices: Mapping[str, DraDevice]
+) -> Object:
+    env = build_request_env(allocation, request, devices)
+    return {"env": [f"{name}={value}" for name, value in env.items()]} if env else {}
 
 
 def build_cdi_ids(driver: str, claim_uid: str, device: Allocated) -> tuple[str, ...]:

@@ -14,6 +14,15 @@ from dataclasses import dataclass
 from hostdev.untrusted import quote_untrusted
 
 POD_CLAIM_NAME_ANNOTATION = "resource.kubernetes.io/pod-claim-name"
+EXTENDED_RESOURCE_CLAIM_ANNOTATION = "resource.kubernetes.io/extended-resource-claim"
+"""Set to "true" on the claim the scheduler creates for a pod's extended resources backed by DRA
+(KEP-5004; `resourceapi.ExtendedResourceClaimAnnotation` in k8s.io/api/resource/v1, written by
+`preFilterExtendedResources` in kubernetes/kubernetes
+pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go). Such a claim has
+`generateName: <pod>-extended-resources-`, the pod as its controlling owner, no pod-claim-name
+annotation, and one request per container and extended resource named
+`container-<container index>-request-<index of the resource among the container's sorted
+requests>` (init containers counted first), each `exactly{deviceClassName, count}`."""
 API_MAX_RESULTS = 32
 """`AllocationResultsMaxSize` (k8s.io/api/resource/v1): the API server refuses more results."""
 MAX_RESULTS = 4 * API_MAX_RESULTS
@@ -63,6 +72,9 @@ class ClaimAllocation:
     pod_claim_name: str | None
     """The pod's name for a claim made from a template (KubeVirt reads its metadata there)."""
     devices: tuple[Allocated, ...]
+    extended_resources: bool = False
+    """Made by the scheduler for a pod's extended resources (a launcher pod of a `deviceName`
+    VMI): its container finds the devices in `PCI_RESOURCE_<NAME>`, as from the device plugin."""
 
 
 def parse_allocation(claim: object, ref: ClaimRef, driver: str, pool: str) -> ClaimAllocation:
@@ -86,6 +98,7 @@ def parse_allocation(claim: object, ref: ClaimRef, driver: str, pool: str) -> Cl
     pod_claim_name = annotations.get(POD_CLAIM_NAME_ANNOTATION)
     if pod_claim_name is not None:
         pod_claim_name = _pod_claim_name(pod_claim_name, ref)
+    extended_resources = annotations.get(EXTENDED_RESOURCE_CLAIM_ANNOTATION) == "true"
     status = _object(document.get("status"), ref, "status")
     allocation = _object(status.get("allocation"), ref, "status.allocation")
     if not allocation:
@@ -129,6 +142,7 @@ def parse_allocation(claim: object, ref: ClaimRef, driver: str, pool: str) -> Cl
         generation=generation,
         pod_claim_name=pod_claim_name,
         devices=tuple(Allocated(request=r.request, pool=pool, device=r.device) for r in ours),
+        extended_resources=extended_resources,
     )
 
 

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from deviceplugin import command as plugin_command
 from dra import command as dra_command
 from hostdev.errors import HostdevError
-from kubevirt_iommufd import bind_command, certs_command, demo_command, inspect_command
+from kubevirt_iommufd import (
+    bind_command,
+    certs_command,
+    demo_command,
+    dra_classes_command,
+    inspect_command,
+)
 from launcher_hook import command as hook_command
 from webhook import command as webhook_command
 
@@ -33,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     bind_command.add_parser(commands)
     plugin_command.add_parser(commands)
     dra_command.add_parser(commands)
+    dra_classes_command.add_parser(commands)
     webhook_command.add_parser(commands)
     hook_command.add_parser(commands)
     demo_command.add_parser(commands)

@@ -5,17 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from hostdev.bdf import Bdf
-from hostdev.config import ConfigError, PluginConfig, default_config, load_config
 from hostdev.errors import HostdevError
 from hostdev.labels.node_labels import build_node_labels, count_iommufd_devices
-from hostdev.pciids import PciIds
-from hostdev.scan import scan_host
 from kubevirt_iommufd.inspect_report import SCHEMA, build_report, render_table
-from sim.host import SCENARIOS, build_tree
+from kubevirt_iommufd.options import read_config_option, read_pci_ids_option, scan_node_option
+from sim.host import SCENARIOS
 
 DRA_STATE_DIR = "var/lib/kubevirt-iommufd/dra"
 
@@ -76,15 +73,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     only = [Bdf.parse(text) for text in args.bdfs]
-    config = _config(args.config)
-    names = _pci_ids(args.pci_ids)
-    if args.example:
-        with tempfile.TemporaryDirectory(prefix="kubevirt-iommufd-example-") as tree:
-            inventory = scan_host(
-                build_tree(SCENARIOS[args.example](), Path(tree)), reset_methods=True
-            )
-    else:
-        inventory = scan_host(args.root, reset_methods=True)
+    config = read_config_option(args.config)
+    names = read_pci_ids_option(args.pci_ids)
+    inventory = scan_node_option(args.root, args.example, reset_methods=True)
     missing = [bdf for bdf in only if inventory.function(bdf) is None]
     if missing:
         listed = ", ".join(str(b) for b in missing)
@@ -100,26 +91,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render_table(report))
     return 0
-
-
-def _config(option: str | None) -> PluginConfig:
-    if option is None:
-        return default_config()
-    try:
-        return load_config(Path(option))
-    except ConfigError as error:
-        raise HostdevError(str(error)) from None
-
-
-def _pci_ids(option: str | None) -> PciIds:
-    if option is None:
-        return PciIds.find()
-    if option == "none":
-        return PciIds(None)
-    path = Path(option)
-    if not path.is_file():
-        raise HostdevError(f"pci.ids file {option!r} not found; pass an existing file or 'none'")
-    return PciIds(path)
 
 
 def _prepared(args: argparse.Namespace) -> dict[Bdf, str] | None:

@@ -36,6 +36,11 @@ class HookSidecar:
     image_pull_policy: str = "IfNotPresent"
     command: tuple[str, ...] = ()
     args: tuple[str, ...] = DEFAULT_HOOK_ARGS
+    dra_claims: bool = False
+    """`draClaims`: also for VMIs whose GPUs or host devices come from DRA claims (`claimName`
+    and `requestName`, KubeVirt's HostDevicesWithDRA and GPUsWithDRA gates). The webhook reads no
+    claim, so which driver a claim is for is unknown here: the hook leaves a device it cannot
+    give iommufd on legacy VFIO, so a claim of another driver is safe."""
 
     def entry(self) -> dict[str, Any]:
         """The annotation entry in KubeVirt's field names."""
@@ -113,7 +118,7 @@ def parse_config(data: object) -> Config:
 
 
 def _hook_sidecar(data: object) -> HookSidecar | None:
-    keys = {"enabled", "image", "imagePullPolicy", "command", "args"}
+    keys = {"enabled", "image", "imagePullPolicy", "command", "args", "draClaims"}
     section = _mapping(data, "hookSidecar", keys)
     if not _bool(section.get("enabled", False), "hookSidecar.enabled"):
         return None
@@ -135,6 +140,7 @@ def _hook_sidecar(data: object) -> HookSidecar | None:
         image_pull_policy=str(policy),
         command=tuple(_strings(section.get("command", []), "hookSidecar.command")),
         args=tuple(_strings(section.get("args", list(DEFAULT_HOOK_ARGS)), "hookSidecar.args")),
+        dra_claims=_bool(section.get("draClaims", False), "hookSidecar.draClaims"),
     )
 
 

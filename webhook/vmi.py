@@ -72,7 +72,7 @@ def _plan_sidecar(
     sidecar = config.hook_sidecar
     if sidecar is None:
         return Plan((), "hook sidecar injection is off (hookSidecar.enabled)")
-    managed = _managed_devices(vmi, config)
+    managed = _managed_devices(vmi, config, sidecar.dra_claims)
     if not managed:
         return Plan((), "no managed GPU or host device")
     existing = _sidecars(annotations.get(HOOK_SIDECARS))
@@ -85,7 +85,9 @@ def _plan_sidecar(
     )
 
 
-def _managed_devices(vmi: dict[str, Any], config: Config) -> list[str]:
+def _managed_devices(vmi: dict[str, Any], config: Config, dra_claims: bool) -> list[str]:
+    """The managed device-plugin resources the VMI asks for, and with `dra_claims` its DRA
+    devices as `claim <claimName>/<requestName>`."""
     spec = mapping(vmi.get("spec"), "spec")
     domain = mapping(spec.get("domain"), "spec.domain")
     devices = mapping(domain.get("devices"), "spec.domain.devices")
@@ -96,12 +98,23 @@ def _managed_devices(vmi: dict[str, Any], config: Config) -> list[str]:
             entry = mapping(device, where)
             name = entry.get("deviceName")
             if name is None and "claimName" in entry:
-                continue  # a DRA claim's device, not a device plugin resource
+                if dra_claims:
+                    names.add(_claim_request(entry, where))
+                continue
             if not isinstance(name, str):
                 raise Unintelligible(f"{where}.deviceName is not a string")
             if config.is_managed(name):
                 names.add(name)
     return sorted(names)
+
+
+def _claim_request(entry: dict[str, Any], where: str) -> str:
+    """`claim <claimName>/<requestName>` of a DRA device entry (KubeVirt's ClaimRequest, both
+    required by its validation)."""
+    claim, request = entry.get("claimName"), entry.get("requestName")
+    if not isinstance(claim, str) or not isinstance(request, str):
+        raise Unintelligible(f"{where}: claimName and requestName are not both strings")
+    return f"claim {claim}/{request}"
 
 
 def _sidecars(annotation: object) -> list[Any]:

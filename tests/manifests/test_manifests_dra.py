@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
+from dra.device_classes import build_device_class
 from dra.kubelet_sockets import dra_socket_path, registration_socket_path
 from hostdev.binding.lock import LOCK_PATH
 from hostdev.config import parse_config
+from k8s_schema_kit import assert_valid
 from kubevirt_iommufd.cli import build_parser
 from manifests_kit import MANIFESTS, NAMESPACE, by_kind, one, read_documents, render
 
@@ -258,12 +260,37 @@ def test_rbac_is_exactly_what_the_driver_calls() -> None:
 
 def test_the_device_class_selects_the_driver_the_daemonset_names() -> None:
     driver = driver_args().driver_name
-    device_class = one(render("dra"), "DeviceClass")
+    (device_class,) = [
+        c for c in by_kind(render("dra"), "DeviceClass") if "extendedResourceName" not in c["spec"]
+    ]
     assert device_class["apiVersion"] == "resource.k8s.io/v1"
     assert device_class["metadata"]["name"] == driver
     assert device_class["spec"] == {
         "selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]
     }
+
+
+def test_the_device_plugins_resource_names_are_served_as_extended_resources() -> None:
+    """Every device type the KubeVirt patch permits for the device plugin has a DeviceClass
+    with that name as its extended resource, selecting the driver's devices of that resource as
+    `dra-classes` builds it; valid from 1.34 (the generic check) to 1.36 and 1.37."""
+    driver = driver_args().driver_name
+    patch = yaml.safe_load((MANIFESTS / "kubevirt/kubevirt-patch.yaml").read_text())
+    permitted = patch["spec"]["configuration"]["permittedHostDevices"]["pciHostDevices"]
+    classes = [
+        c for c in by_kind(render("dra"), "DeviceClass") if "extendedResourceName" in c["spec"]
+    ]
+    assert sorted(c["spec"]["extendedResourceName"] for c in classes) == sorted(
+        d["resourceName"] for d in permitted
+    )
+    for device_class in classes:
+        metadata = device_class.pop("metadata")
+        assert metadata["labels"] == {"app.kubernetes.io/part-of": "kubevirt-iommufd"}
+        built = build_device_class(driver, device_class["spec"]["extendedResourceName"])
+        assert metadata["name"] == built.pop("metadata")["name"]
+        assert device_class == built
+        for version in ("1.36", "1.37"):
+            assert_valid({**device_class, "metadata": metadata}, version)
 
 
 def test_the_example_claims_select_on_the_drivers_attributes() -> None:
