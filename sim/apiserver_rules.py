@@ -1,8 +1,9 @@
 """What the Kubernetes API server decides about a request, as pure functions: the served kinds,
 `Status` bodies, field and label selectors, and the ResourceSlice rules that the OpenAPI schema
 does not carry (kubernetes pkg/apis/resource/validation: at most 128 devices, device names that
-are DNS labels, exactly one node selection, attribute limits). Messages are the real server's,
-so a driver's error handling meets the text it will meet in a cluster.
+are DNS labels, exactly one node selection, attribute limits, device taints), and the defaults it
+sets on what it decodes (a device taint's `timeAdded`). Messages are the real server's, so a
+driver's error handling meets the text it will meet in a cluster.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ DEVICES_PER_SLICE_WITH_ADVANCED_FEATURES = 64
 ATTRIBUTES_AND_CAPACITIES_PER_DEVICE = 32
 ATTRIBUTE_VALUE_MAX_LENGTH = 64
 ATTRIBUTE_ID_MAX_LENGTH = 32
+TAINTS_PER_DEVICE = 16
+TAINT_EFFECTS = ("NoExecute", "NoSchedule", "None")
 DRIVER_NAME_MAX_LENGTH = 63
 POOL_NAME_MAX_LENGTH = 253
 
@@ -26,6 +29,7 @@ _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_LABEL = re.compile(f"^{_LABEL}$")
 _DNS_SUBDOMAIN = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _SEMVER = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
     r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
@@ -45,6 +49,17 @@ _C_IDENTIFIER_MESSAGE = (
     "a valid C identifier must start with alphabetic character or '_', followed by a string of"
     " alphanumeric characters or '_' (e.g. 'my_name',  or 'MY_NAME',  or 'MyName', regex used"
     " for validation is '[A-Za-z_][A-Za-z0-9_]*')"
+)
+_NAME_PART_MESSAGE = (
+    "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end"
+    " with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for"
+    " validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')"
+)
+_LABEL_VALUE_MESSAGE = (
+    "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or"
+    " '.', and must start and end with an alphanumeric character (e.g. 'MyValue',  or"
+    " 'my_value',  or '12345', regex used for validation is"
+    " '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')"
 )
 _NODE_SELECTION = ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
 _LIST_VALUE_KEYS = {"bools", "ints", "strings", "versions"}
@@ -423,6 +438,7 @@ def _device_body(device: Object, path: str, per_device_node_selection: bool) -> 
         errors += _attribute(attribute, f"{path}.attributes[{key}]")
     for key in capacity:
         errors += _qualified_name(key, f"{path}.capacity")
+    errors += _taints(device.get("taints") or [], f"{path}.taints")
     own_selection = [
         f for f in ("nodeName", "nodeSelector", "allNodes") if device.get(f) is not None
     ]
@@ -457,6 +473,62 @@ def _qualified_name(name: str, field: str) -> list[FieldError]:
     if not _C_IDENTIFIER.match(identifier):
         errors.append(invalid(field, identifier, _C_IDENTIFIER_MESSAGE))
     return errors
+
+
+def _taints(taints: list[Object], path: str) -> list[FieldError]:
+    """validateDeviceTaint: a label-name key, a label value, a known effect; at most 16."""
+    if len(taints) > TAINTS_PER_DEVICE:
+        detail = f"must have at most {TAINTS_PER_DEVICE} items"
+        return [FieldError(path, "FieldValueTooMany", len(taints), detail)]
+    errors: list[FieldError] = []
+    for index, taint in enumerate(taints):
+        at = f"{path}[{index}]"
+        key = taint.get("key") or ""
+        errors += [required(f"{at}.key")] if not key else _label_name(key, f"{at}.key")
+        value = taint.get("value") or ""
+        if len(value) > 63:
+            errors.append(invalid(f"{at}.value", value, "must be no more than 63 characters"))
+        if value and not _LABEL_NAME.match(value):
+            errors.append(invalid(f"{at}.value", value, _LABEL_VALUE_MESSAGE))
+        effect = taint.get("effect") or ""
+        if not effect:
+            errors.append(required(f"{at}.effect"))
+        elif effect not in TAINT_EFFECTS:
+            supported = "supported values: " + ", ".join(f'"{e}"' for e in TAINT_EFFECTS)
+            errors.append(FieldError(f"{at}.effect", "FieldValueNotSupported", effect, supported))
+    return errors
+
+
+def _label_name(name: str, field: str) -> list[FieldError]:
+    """IsQualifiedName: `[prefix/]name`, the prefix a DNS subdomain, the name at most 63."""
+    prefix, _, part = name.rpartition("/")
+    errors: list[FieldError] = []
+    if "/" in prefix:
+        return [invalid(field, name, "a qualified name " + _NAME_PART_MESSAGE)]
+    if "/" in name:
+        if not prefix:
+            errors.append(invalid(field, name, "prefix part must be non-empty"))
+        else:
+            errors += [replace(e, value=name) for e in _dns_subdomain(prefix, field)]
+    if not part:
+        errors.append(invalid(field, name, "name part must be non-empty"))
+    elif len(part) > 63:
+        errors.append(invalid(field, name, "name part must be no more than 63 characters"))
+    elif not _LABEL_NAME.match(part):
+        errors.append(invalid(field, name, _NAME_PART_MESSAGE))
+    return errors
+
+
+def default_resource_slice(obj: Object, now: str) -> None:
+    """SetDefaults_DeviceTaint: a taint sent without `timeAdded` gets the current time, to the
+    second. The real server does this as it decodes a create or update, before it compares the
+    spec with the stored one, so a taint sent without it is a change."""
+    devices = (obj.get("spec") or {}).get("devices") if isinstance(obj.get("spec"), dict) else None
+    for device in devices if isinstance(devices, list) else []:
+        taints = device.get("taints") if isinstance(device, dict) else None
+        for taint in taints if isinstance(taints, list) else []:
+            if isinstance(taint, dict) and not taint.get("timeAdded"):
+                taint["timeAdded"] = now
 
 
 def _attribute(attribute: Object, path: str) -> list[FieldError]:

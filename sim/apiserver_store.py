@@ -23,12 +23,14 @@ from dataclasses import dataclass
 
 from sim.apiserver_rules import (
     RESOURCE_CLAIMS,
+    RESOURCE_SLICES,
     STALE,
     FieldError,
     Kind,
     Object,
     Requirement,
     build_status,
+    default_resource_slice,
     status_already_exists,
     status_conflict,
     status_expired,
@@ -135,8 +137,7 @@ class Store:
     def create(
         self, kind: Kind, namespace: str, body: Object, checks: Checks | None = None
     ) -> Object:
-        obj = copy.deepcopy(body)
-        obj["kind"], obj["apiVersion"] = kind.kind, kind.api_version
+        obj = _decoded(kind, body)
         meta = obj.setdefault("metadata", {})
         if meta.get("resourceVersion"):
             raise ApiError(
@@ -168,8 +169,7 @@ class Store:
     def update(
         self, kind: Kind, namespace: str, name: str, body: Object, checks: Checks | None = None
     ) -> Object:
-        obj = copy.deepcopy(body)
-        obj["kind"], obj["apiVersion"] = kind.kind, kind.api_version
+        obj = _decoded(kind, body)
         meta = obj.setdefault("metadata", {})
         if meta.get("name") != name:
             raise ApiError(
@@ -328,6 +328,16 @@ class Store:
             dropped = self._history.pop(0)
             self._oldest = dropped.resource_version
         self.changed.notify_all()
+
+
+def _decoded(kind: Kind, body: Object) -> Object:
+    """A client's object as the server holds it once decoded: its own copy, kind and apiVersion
+    set, defaults filled in."""
+    obj = copy.deepcopy(body)
+    obj["kind"], obj["apiVersion"] = kind.kind, kind.api_version
+    if kind is RESOURCE_SLICES:
+        default_resource_slice(obj, _now())
+    return obj
 
 
 def _check_preconditions(
