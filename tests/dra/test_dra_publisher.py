@@ -1,0 +1,184 @@
+"""The slice publisher with health: the real `kubernetes` client against the API server
+stand-in over HTTPS (every object checked against the 1.37 schema), which stamps a taint's
+`timeAdded` as the real server does."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Sequence
+
+import kubernetes.client
+import pytest
+
+from dra.api import ResourceApi
+from dra.health import DeviceHealth, Health
+from dra.publisher import SlicePublisher
+from dra.slices import Object, TaintEffect
+from dra_kit import DRIVER, NODE
+from dra_slices_kit import devices
+from sim.apiserver import ApiServerStandIn
+
+KEY = f"{DRIVER}/unhealthy"
+POOL = devices(4)
+NAMES = [d.name for d in POOL]
+STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+
+
+def verdicts(*unhealthy: int, at: float = 1000.0) -> list[DeviceHealth]:
+    return [
+        DeviceHealth(name, Health.UNHEALTHY, "lost its VFIO nodes", at)
+        if index in unhealthy
+        else DeviceHealth(name, Health.HEALTHY, "", at)
+        for index, name in enumerate(NAMES)
+    ]
+
+
+def held_taints(apiserver: ApiServerStandIn) -> dict[str, list[Object]]:
+    return {
+        d["name"]: d["taints"]
+        for s in apiserver.slices(NODE, DRIVER)
+        for d in s["spec"]["devices"]
+        if d.get("taints")
+    }
+
+
+def generations(apiserver: ApiServerStandIn) -> set[int]:
+    return {s["spec"]["pool"]["generation"] for s in apiserver.slices(NODE, DRIVER)}
+
+
+def writes(apiserver: ApiServerStandIn) -> int:
+    return sum(r.method in ("POST", "PUT") for r in apiserver.requests)
+
+
+@pytest.fixture
+def api(apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient) -> ResourceApi:
+    apiserver.put_node(NODE)
+    return ResourceApi(api_client)
+
+
+def started(
+    api: ResourceApi,
+    health: Sequence[DeviceHealth],
+    effect: TaintEffect = TaintEffect.NO_SCHEDULE,
+) -> SlicePublisher:
+    publisher = SlicePublisher(api, NODE, DRIVER, POOL, taint_effect=effect, backoff_first=0.05)
+    publisher.update(POOL, health)
+    publisher.start()
+    return publisher
+
+
+@pytest.fixture
+def publishers() -> Iterator[list[SlicePublisher]]:
+    running: list[SlicePublisher] = []
+    yield running
+    for publisher in running:
+        publisher.stop()
+
+
+def test_a_device_is_tainted_while_unhealthy_and_untainted_when_healthy_again(
+    apiserver: ApiServerStandIn, api: ResourceApi, publishers: list[SlicePublisher]
+) -> None:
+    publisher = started(api, verdicts())
+    publishers.append(publisher)
+    assert apiserver.wait_until(lambda: generations(apiserver) == {1})
+    assert held_taints(apiserver) == {}
+
+    start = time.monotonic()
+    publisher.update(POOL, verdicts(2))
+    assert apiserver.wait_until(lambda: bool(held_taints(apiserver)))
+    tainted = time.monotonic() - start
+    ((taint,),) = held_taints(apiserver).values()
+    assert set(held_taints(apiserver)) == {NAMES[2]}
+    assert {k: v for k, v in taint.items() if k != "timeAdded"} == {
+        "key": KEY,
+        "effect": "NoSchedule",
+    }
+    assert STAMP.match(taint["timeAdded"]), taint
+    assert generations(apiserver) == {2}
+
+    start = time.monotonic()
+    publisher.update(POOL, verdicts())
+    assert apiserver.wait_until(lambda: not held_taints(apiserver))
+    untainted = time.monotonic() - start
+    assert generations(apiserver) == {3}
+    # Event to taint and back, the publisher's share (the host's watch comes before it).
+    assert tainted < 1.0 and untainted < 1.0, (tainted, untainted)
+
+
+@pytest.mark.parametrize("effect", list(TaintEffect), ids=str)
+def test_the_taint_has_the_configured_effect(
+    apiserver: ApiServerStandIn,
+    api: ResourceApi,
+    publishers: list[SlicePublisher],
+    effect: TaintEffect,
+) -> None:
+    publishers.append(started(api, verdicts(0, 3), effect))
+    assert apiserver.wait_until(lambda: len(held_taints(apiserver)) == 2)
+    assert {t[0]["effect"] for t in held_taints(apiserver).values()} == {effect.value}
+
+
+def test_a_stamped_pool_is_not_written_again(
+    apiserver: ApiServerStandIn, api: ResourceApi, publishers: list[SlicePublisher]
+) -> None:
+    publisher = started(api, verdicts(1))
+    publishers.append(publisher)
+    assert apiserver.wait_until(lambda: bool(held_taints(apiserver)))
+    stamped = held_taints(apiserver)
+    before = writes(apiserver)
+    # A new check with the same verdict is no change of the slices.
+    publisher.update(POOL, verdicts(1, at=2000.0))
+    # Someone else touches the slice: the watch wakes the publisher, which lists, plans and
+    # finds the stamped taint to be the one it wants.
+    (item,) = apiserver.slices(NODE, DRIVER)
+    apiserver.clear_requests()
+    apiserver.put(item)
+    assert apiserver.wait_until(lambda: any(r.method == "GET" for r in apiserver.requests))
+    time.sleep(0.3)
+    assert writes(apiserver) == 0 and before > 0
+    assert held_taints(apiserver) == stamped
+    assert generations(apiserver) == {1}
+
+
+def test_two_instances_publishing_one_pool_settle_without_churn(
+    apiserver: ApiServerStandIn, api: ResourceApi, publishers: list[SlicePublisher]
+) -> None:
+    """A rolling upgrade: the old and the new driver both publish the node's pool, each woken
+    by the other's writes; with the same view of the host they agree after at most a write
+    each."""
+    publishers.append(started(api, verdicts(0, 2)))
+    publishers.append(started(api, verdicts(0, 2)))
+    assert apiserver.wait_until(lambda: len(held_taints(apiserver)) == 2)
+    time.sleep(0.5)
+    settled = generations(apiserver)
+    apiserver.clear_requests()
+    time.sleep(1.5)
+    assert writes(apiserver) == 0
+    assert generations(apiserver) == settled and max(settled) <= 2
+
+
+def test_the_stand_in_stamps_a_taint_sent_without_time_added(api: ResourceApi) -> None:
+    taint = {"key": KEY, "effect": "NoExecute"}
+    item: Object = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "s"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": NODE,
+            "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": "d", "taints": [dict(taint)]}],
+        },
+    }
+    created = api.create_slice(item)
+    stamp = created["spec"]["devices"][0]["taints"][0]["timeAdded"]
+    assert STAMP.match(stamp) and created["metadata"]["generation"] == 1
+    # Sent back as held: nothing changes, not even the generation.
+    kept = api.replace_slice(created)
+    assert kept["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
+    # Sent without the stamp: a change (the server stamps it anew before it compares).
+    item["metadata"]["resourceVersion"] = kept["metadata"]["resourceVersion"]
+    time.sleep(1.0)
+    restamped = api.replace_slice(item)
+    assert restamped["spec"]["devices"][0]["taints"][0]["timeAdded"] > stamp
+    assert restamped["metadata"]["generation"] == 2
