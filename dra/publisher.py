@@ -17,7 +17,16 @@ from collections.abc import Mapping, Sequence
 from dra.api import ApiError, ResourceApi
 from dra.devices import DraDevice
 from dra.health import DeviceHealth
-from dra.slices import DeviceTaint, Owner, SlicePlan, TaintEffect, build_taints, plan_slices
+from dra.slices import (
+    NO_TAINTS,
+    DeviceTaint,
+    Owner,
+    SlicePlan,
+    TaintEffect,
+    build_taints,
+    plan_slices,
+    tainted_devices,
+)
 
 log = logging.getLogger(__name__)
 RESYNC_SECONDS = 60.0
@@ -43,7 +52,9 @@ class SlicePublisher:
         self._driver = driver
         self._devices = tuple(devices)
         self._taint_effect = taint_effect
-        self._taints: Mapping[str, DeviceTaint] = {}
+        self._taints: Mapping[str, DeviceTaint] = NO_TAINTS
+        self._dropped: Mapping[str, DeviceTaint] | None = None
+        """Taints the API server threw away (its DRADeviceTaints gate is off): not sent again."""
         self._owner: Owner | None = None
         self._dirty = threading.Event()
         self._stop = threading.Event()
@@ -110,10 +121,22 @@ class SlicePublisher:
             self._owner = Owner(self._node, self._api.read_node_uid(self._node))
         with self._lock:
             devices, taints = self._devices, self._taints
+        if taints == self._dropped:
+            # Sent, they would be dropped again and the pool rewritten on every reconcile; with
+            # two instances publishing it, each would wake the other without end.
+            taints = NO_TAINTS
         existing, _ = self._api.list_slices(self._node, self._driver)
         plan = plan_slices(existing, self._owner, self._driver, devices, taints)
         if not plan.empty:
-            self._apply(plan)
+            if self._apply(plan):
+                self._dropped = taints
+                log.warning(
+                    "the API server dropped the taints of %d unhealthy devices (its"
+                    " DRADeviceTaints feature gate is off): the scheduler can still allocate"
+                    " them, and only the kubelet's health stream reports them; enable the gate"
+                    " to keep VMs off unhealthy devices",
+                    len(taints),
+                )
             log.info(
                 "published %d devices (%d tainted %s) in %d slices, generation %d",
                 len(devices),
@@ -123,13 +146,18 @@ class SlicePublisher:
                 plan.generation,
             )
 
-    def _apply(self, plan: SlicePlan) -> None:
-        for item in plan.create:
-            self._note(self._api.create_slice(item))
-        for item in plan.update:
-            self._note(self._api.replace_slice(item))
+    def _apply(self, plan: SlicePlan) -> bool:
+        """Write the plan; whether the server dropped taints it was sent."""
+        dropped = False
+        writes = [(self._api.create_slice, item) for item in plan.create]
+        writes += [(self._api.replace_slice, item) for item in plan.update]
+        for write, item in writes:
+            written = write(item)
+            self._note(written)
+            dropped |= bool(tainted_devices(item) - tainted_devices(written))
         for name, version in plan.delete:
             self._api.delete_slice(name, version)
+        return dropped
 
     def _note(self, written: dict[str, object]) -> None:
         metadata = written.get("metadata")

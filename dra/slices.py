@@ -208,6 +208,12 @@ def plan_slices(
     return SlicePlan(generation, tuple(create), tuple(update), delete)
 
 
+def tainted_devices(item: Object) -> set[str]:
+    """The names of a slice's devices that carry a taint (of a written slice, as answered)."""
+    devices = (item.get("spec") or {}).get("devices") or []
+    return {str(d.get("name")) for d in devices if isinstance(d, dict) and d.get("taints")}
+
+
 def _carry_time_added(current: Iterable[Object], wanted: Sequence[Object]) -> None:
     """Give each wanted taint the `timeAdded` the server stamped on the same taint of the same
     device, wherever in the pool that device is held now (a split can move it)."""

@@ -12,7 +12,9 @@ It serves, with the real server's status codes and `Status` bodies:
   (`generateName`, 409 AlreadyExists), update (409 Conflict on a stale resourceVersion), delete
   (preconditions) and deletecollection;
 - 422 Invalid for objects that break the ResourceSlice rules the real server enforces, or that
-  the optional `validate` callback (e.g. the official OpenAPI schema) refuses.
+  the optional `validate` callback (e.g. the official OpenAPI schema) refuses;
+- a device taint's `timeAdded` stamped when a write leaves it out, and (`device_taints=False`)
+  taints dropped as by a server whose DRADeviceTaints feature gate is off.
 
 Test controls act as the rest of the cluster would (the kubelet deleting a node's slices, the
 scheduler allocating a claim), inject failures (the next N requests answered 5xx, a forced
@@ -91,12 +93,15 @@ class ApiServerStandIn:
         watch_timeout: float = 1800.0,
         bookmark_interval: float = 60.0,
         history_limit: int = 10_000,
+        device_taints: bool = True,
     ) -> None:
+        """`device_taints=False`: a server with the DRADeviceTaints feature gate off, which
+        drops the taints of slices it is sent."""
         self.validate = validate
         self.watch_timeout = watch_timeout
         self.bookmark_interval = bookmark_interval
         self.token = secrets.token_urlsafe(24)
-        self.store = Store(history_limit)
+        self.store = Store(history_limit, device_taints)
         self.port = 0
         self._tls = build_serving_certificate([self.host]) if tls else None
         self._server: ApiHttpServer | None = None

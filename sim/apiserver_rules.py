@@ -523,12 +523,29 @@ def default_resource_slice(obj: Object, now: str) -> None:
     """SetDefaults_DeviceTaint: a taint sent without `timeAdded` gets the current time, to the
     second. The real server does this as it decodes a create or update, before it compares the
     spec with the stored one, so a taint sent without it is a change."""
-    devices = (obj.get("spec") or {}).get("devices") if isinstance(obj.get("spec"), dict) else None
-    for device in devices if isinstance(devices, list) else []:
-        taints = device.get("taints") if isinstance(device, dict) else None
+    for device in _devices_of(obj):
+        taints = device.get("taints")
         for taint in taints if isinstance(taints, list) else []:
             if isinstance(taint, dict) and not taint.get("timeAdded"):
                 taint["timeAdded"] = now
+
+
+def drop_disabled_slice_fields(obj: Object, old: Object | None) -> None:
+    """dropDisabledDRADeviceTaintsFields on a server with the DRADeviceTaints gate off (before
+    1.37 it may be): the taints of a write are dropped without a word, unless the stored slice
+    already has some."""
+    if old is not None and any(d.get("taints") for d in _devices_of(old)):
+        return
+    for device in _devices_of(obj):
+        device.pop("taints", None)
+
+
+def _devices_of(obj: Object) -> list[Object]:
+    """A slice's devices that are objects: what a body of the wrong shape has is left to the
+    checks, which answer for it."""
+    spec = obj.get("spec")
+    devices = spec.get("devices") if isinstance(spec, dict) else None
+    return [d for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
 
 
 def _attribute(attribute: Object, path: str) -> list[FieldError]:

@@ -31,6 +31,7 @@ from sim.apiserver_rules import (
     Requirement,
     build_status,
     default_resource_slice,
+    drop_disabled_slice_fields,
     status_already_exists,
     status_conflict,
     status_expired,
@@ -82,8 +83,9 @@ class Selection:
 
 
 class Store:
-    def __init__(self, history_limit: int = 10_000) -> None:
+    def __init__(self, history_limit: int = 10_000, device_taints: bool = True) -> None:
         self.changed = threading.Condition()
+        self._device_taints = device_taints
         self._objects: dict[tuple[str, str, str], Object] = {}
         self._history: list[Event] = []
         self._history_limit = history_limit
@@ -155,6 +157,8 @@ class Store:
             )
         if kind is RESOURCE_CLAIMS:
             obj.pop("status", None)  # status is a subresource: a create cannot set it
+        if kind is RESOURCE_SLICES and not self._device_taints:
+            drop_disabled_slice_fields(obj, None)
         self._check(kind, obj, None, checks)
         with self.changed:
             key = (kind.resource, namespace if kind.namespaced else "", meta["name"])
@@ -195,6 +199,8 @@ class Store:
             if "generation" in old_meta:
                 changed = obj.get("spec") != old.get("spec")
                 meta["generation"] = old_meta["generation"] + int(changed)
+            if kind is RESOURCE_SLICES and not self._device_taints:
+                drop_disabled_slice_fields(obj, old)
             if kind is RESOURCE_CLAIMS:
                 obj["status"] = copy.deepcopy(old.get("status", {}))
             self._check(kind, obj, old, checks)

@@ -17,7 +17,8 @@ from dra.publisher import SlicePublisher
 from dra.slices import Object, TaintEffect
 from dra_kit import DRIVER, NODE
 from dra_slices_kit import devices
-from sim.apiserver import ApiServerStandIn
+from k8s_schema_kit import schema_errors
+from sim.apiserver import ApiServerStandIn, running_apiserver
 
 KEY = f"{DRIVER}/unhealthy"
 POOL = devices(4)
@@ -182,3 +183,35 @@ def test_the_stand_in_stamps_a_taint_sent_without_time_added(api: ResourceApi) -
     restamped = api.replace_slice(item)
     assert restamped["spec"]["devices"][0]["taints"][0]["timeAdded"] > stamp
     assert restamped["metadata"]["generation"] == 2
+
+
+def test_taints_a_server_drops_are_not_sent_again_and_instances_do_not_fight(
+    publishers: list[SlicePublisher], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server with the DRADeviceTaints gate off drops them without a word: sent on every
+    reconcile, two instances would rewrite the pool for each other without end."""
+    with running_apiserver(validate=schema_errors, device_taints=False) as apiserver:
+        apiserver.put_node(NODE)
+        with apiserver.api_client() as client:
+            api = ResourceApi(client)
+            publishers.append(started(api, verdicts(1)))
+            publishers.append(started(api, verdicts(1)))
+            assert apiserver.wait_until(lambda: bool(apiserver.slices(NODE, DRIVER)))
+            time.sleep(0.5)
+            settled = generations(apiserver)
+            apiserver.clear_requests()
+            time.sleep(1.5)
+            assert writes(apiserver) == 0 and generations(apiserver) == settled
+            assert held_taints(apiserver) == {}
+            assert "dropped the taints of 1 unhealthy devices" in caplog.text
+            # Another device turning unhealthy is tried once more.
+            before = max(settled)
+            publishers[0].update(POOL, verdicts(1, 3))
+            publishers[1].update(POOL, verdicts(1, 3))
+            assert apiserver.wait_until(lambda: max(generations(apiserver)) > before)
+            time.sleep(0.5)
+            apiserver.clear_requests()
+            time.sleep(1.0)
+            assert writes(apiserver) == 0
+        for publisher in publishers:
+            publisher.stop()

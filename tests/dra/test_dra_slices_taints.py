@@ -189,3 +189,51 @@ def test_untainted_slices_stay_valid_on_older_servers(version: str) -> None:
     for item in build_slices(OWNER, DRIVER, devices(130), 2):
         assert "taints" not in str(item)
         assert_valid(item, version)
+
+
+def one_device_slice(device_taints: list[Object]) -> Object:
+    (item,) = build_slices(OWNER, DRIVER, POOL[:1], 1)
+    item["spec"]["devices"][0]["taints"] = device_taints
+    return item
+
+
+@pytest.mark.parametrize(
+    ("device_taints", "field", "kind"),
+    [
+        pytest.param(
+            [{"key": "a/b/c", "effect": "NoSchedule"}], "taints[0].key", "FieldValueInvalid",
+            id="key-two-slashes",
+        ),
+        pytest.param(
+            [{"key": "Bad_Domain/x", "effect": "NoSchedule"}], "taints[0].key",
+            "FieldValueInvalid", id="key-prefix-not-a-subdomain",
+        ),
+        pytest.param(
+            [{"key": "x" * 64, "effect": "NoSchedule"}], "taints[0].key", "FieldValueInvalid",
+            id="key-name-too-long",
+        ),
+        pytest.param(
+            [{"key": KEY, "value": "driver lost", "effect": "NoSchedule"}], "taints[0].value",
+            "FieldValueInvalid", id="value-not-a-label-value",
+        ),
+        pytest.param(
+            [{"key": KEY, "effect": "PreferNoSchedule"}], "taints[0].effect",
+            "FieldValueNotSupported", id="effect-of-nodes-only",
+        ),
+        pytest.param([{"key": KEY}], "taints[0].effect", "FieldValueRequired", id="no-effect"),
+        pytest.param(
+            [{"key": f"{KEY}{i}", "effect": "None"} for i in range(17)], "taints",
+            "FieldValueTooMany", id="17-taints",
+        ),
+    ],
+)  # fmt: skip
+def test_the_stand_in_refuses_taints_the_real_server_refuses(
+    device_taints: list[Object], field: str, kind: str
+) -> None:
+    errors = validate_resource_slice(one_device_slice(device_taints), None)
+    assert [(e.field, e.type) for e in errors] == [(f"spec.devices[0].{field}", kind)]
+
+
+def test_the_stand_in_takes_16_taints_with_values() -> None:
+    device_taints = [{"key": f"{KEY}{i}", "value": "v.1_x", "effect": "None"} for i in range(16)]
+    assert validate_resource_slice(one_device_slice(device_taints), None) == []
