@@ -5,7 +5,8 @@ It serves, with the real server's status codes and `Status` bodies:
 - `GET /api/v1/nodes[/{name}]` (nodes are seeded with `put_node`), and JSON merge patches
   (`application/merge-patch+json`) of any named object;
 - `resource.k8s.io/v1` ResourceClaims: get and list (claims are seeded with `put_claim` and
-  allocated with `set_allocation`, as the scheduler would);
+  allocated with `set_allocation`, as the scheduler would; `allocatable` says which devices it
+  could pick, leaving out those with a taint the request does not tolerate);
 - `resource.k8s.io/v1` ResourceSlices: list (field selectors `metadata.name`, `spec.nodeName`,
   `spec.driver`, label selectors, `limit`/`continue`), watch (chunked JSON events from a
   resourceVersion, `timeoutSeconds`, bookmarks, 410 Expired after `compact()`), get, create
@@ -56,6 +57,7 @@ from sim.apiserver_rules import (
     FieldError,
     Kind,
     Object,
+    build_allocatable,
     build_status,
     parse_field_selector,
     validate_metadata,
@@ -238,6 +240,13 @@ class ApiServerStandIn:
             "items"
         ]
         return [{"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1", **s} for s in found]
+
+    def allocatable(
+        self, node_name: str, driver: str, tolerations: Sequence[Object] = ()
+    ) -> list[str]:
+        """The devices of the node's pool the scheduler would allocate to a request with these
+        `tolerations` (`DeviceToleration`s), as `build_allocatable` decides."""
+        return build_allocatable(self.slices(node_name, driver), tolerations)
 
     def delete(self, kind: str, name: str, namespace: str = "") -> Object:
         return self.store.delete(_kind_named(kind), namespace, name)

@@ -9,7 +9,7 @@ driver's error handling meets the text it will meet in a cluster.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -517,6 +517,45 @@ def _label_name(name: str, field: str) -> list[FieldError]:
     elif not _LABEL_NAME.match(part):
         errors.append(invalid(field, name, _NAME_PART_MESSAGE))
     return errors
+
+
+def build_allocatable(slices: list[Object], tolerations: Sequence[Object]) -> list[str]:
+    """The scheduler's view of one pool: the devices of its newest generation (none while that
+    generation is incomplete: the scheduler waits for it) whose taints are all tolerated or
+    have no effect on scheduling (`None`, and any effect it does not know)."""
+    if not slices:
+        return []
+    generation = max(_pool_of(s).get("generation", 0) for s in slices)
+    newest = [s for s in slices if _pool_of(s).get("generation", 0) == generation]
+    if len(newest) != _pool_of(newest[0]).get("resourceSliceCount"):
+        return []
+    return [
+        d["name"]
+        for item in newest
+        for d in _devices_of(item)
+        if all(
+            t.get("effect") not in ("NoSchedule", "NoExecute")
+            or any(_tolerates(toleration, t) for toleration in tolerations)
+            for t in d.get("taints") or []
+        )
+    ]
+
+
+def _pool_of(item: Object) -> Object:
+    pool: Object = (item.get("spec") or {}).get("pool") or {}
+    return pool
+
+
+def _tolerates(toleration: Object, taint: Object) -> bool:
+    """DeviceToleration.ToleratesTaint: an empty key (with Exists) or effect matches any."""
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("key") and toleration["key"] != taint.get("key"):
+        return False
+    operator = toleration.get("operator") or "Equal"
+    if operator == "Exists":
+        return True
+    return operator == "Equal" and (toleration.get("value") or "") == (taint.get("value") or "")
 
 
 def default_resource_slice(obj: Object, now: str) -> None:

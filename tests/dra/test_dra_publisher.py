@@ -215,3 +215,45 @@ def test_taints_a_server_drops_are_not_sent_again_and_instances_do_not_fight(
             assert writes(apiserver) == 0
         for publisher in publishers:
             publisher.stop()
+
+
+NO_SCHEDULE_EXISTS = {"key": KEY, "operator": "Exists", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize(
+    ("effect", "tolerations", "picked"),
+    [
+        pytest.param(TaintEffect.NO_SCHEDULE, [], False, id="no-schedule-not-tolerated"),
+        pytest.param(TaintEffect.NO_EXECUTE, [], False, id="no-execute-not-tolerated"),
+        pytest.param(TaintEffect.NONE, [], True, id="none-only-shown"),
+        pytest.param(
+            TaintEffect.NO_SCHEDULE, [NO_SCHEDULE_EXISTS], True, id="tolerated-by-key-and-effect"
+        ),
+        pytest.param(
+            TaintEffect.NO_EXECUTE, [NO_SCHEDULE_EXISTS], False, id="tolerating-another-effect"
+        ),
+        pytest.param(TaintEffect.NO_EXECUTE, [{"operator": "Exists"}], True, id="tolerating-all"),
+        pytest.param(
+            TaintEffect.NO_SCHEDULE,
+            [{"key": KEY, "value": "x", "effect": "NoSchedule"}],
+            False,
+            id="equal-to-another-value",
+        ),
+    ],
+)
+def test_the_scheduler_leaves_an_unhealthy_device_to_claims_that_tolerate_it(
+    apiserver: ApiServerStandIn,
+    api: ResourceApi,
+    publishers: list[SlicePublisher],
+    effect: TaintEffect,
+    tolerations: list[Object],
+    picked: bool,
+) -> None:
+    publisher = started(api, verdicts(1), effect)
+    publishers.append(publisher)
+    assert apiserver.wait_until(lambda: bool(held_taints(apiserver)))
+    others = [NAMES[0], *NAMES[2:]]
+    expected = NAMES if picked else others
+    assert apiserver.allocatable(NODE, DRIVER, tolerations) == expected
+    publisher.update(POOL, verdicts())
+    assert apiserver.wait_until(lambda: apiserver.allocatable(NODE, DRIVER) == NAMES)
