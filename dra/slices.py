@@ -39,7 +39,8 @@ class TaintEffect(enum.StrEnum):
     NO_SCHEDULE = "NoSchedule"
     """Not allocated to new claims; claims already allocated keep it."""
     NO_EXECUTE = "NoExecute"
-    """Also evicts the pods whose claims use it (a VM is stopped or, if it can, migrated)."""
+    """Also evicts the pods whose claims use it: their VMs stop (a VirtualMachine's run strategy
+    decides whether it starts again elsewhere)."""
     NONE = "None"
     """Only shown: allocation and running pods are left alone."""
 
@@ -210,20 +211,19 @@ def plan_slices(
 
 def tainted_devices(item: Object) -> set[str]:
     """The names of a slice's devices that carry a taint (of a written slice, as answered)."""
-    devices = (item.get("spec") or {}).get("devices") or []
-    return {str(d.get("name")) for d in devices if isinstance(d, dict) and d.get("taints")}
+    return {str(d.get("name")) for d in _entries(item) if d.get("taints")}
 
 
 def _carry_time_added(current: Iterable[Object], wanted: Sequence[Object]) -> None:
     """Give each wanted taint the `timeAdded` the server stamped on the same taint of the same
     device, wherever in the pool that device is held now (a split can move it)."""
-    stamped = {
-        (device.get("name"), _taint_identity(taint)): taint["timeAdded"]
-        for item in current
-        for device in (item.get("spec") or {}).get("devices") or []
-        for taint in device.get("taints") or []
-        if taint.get("timeAdded")
-    }
+    stamped: dict[tuple[str, tuple[str, str, str]], str] = {}
+    for item in current:
+        for device in _entries(item):
+            taints = device.get("taints")
+            for taint in taints if isinstance(taints, list) else []:
+                if isinstance(taint, dict) and isinstance(taint.get("timeAdded"), str):
+                    stamped[str(device.get("name")), _taint_identity(taint)] = taint["timeAdded"]
     for item in wanted:
         for device in item["spec"]["devices"]:
             for taint in device.get("taints", ()):
@@ -232,8 +232,14 @@ def _carry_time_added(current: Iterable[Object], wanted: Sequence[Object]) -> No
                     taint["timeAdded"] = held
 
 
-def _taint_identity(taint: Object) -> tuple[object, object, object]:
-    return taint.get("key"), taint.get("value") or "", taint.get("effect")
+def _taint_identity(taint: Object) -> tuple[str, str, str]:
+    return str(taint.get("key")), str(taint.get("value") or ""), str(taint.get("effect"))
+
+
+def _entries(item: Object) -> list[Object]:
+    """A held slice's device entries (what is not an object is no device of ours)."""
+    devices = (item.get("spec") or {}).get("devices")
+    return [d for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
 
 
 def _pool(item: Object) -> Object:

@@ -14,7 +14,7 @@ import pytest
 from dra.api import ResourceApi
 from dra.health import DeviceHealth, Health
 from dra.publisher import SlicePublisher
-from dra.slices import Object, TaintEffect
+from dra.slices import DeviceTaint, Object, Owner, TaintEffect, build_slices
 from dra_kit import DRIVER, NODE
 from dra_slices_kit import devices
 from k8s_schema_kit import schema_errors
@@ -159,18 +159,9 @@ def test_two_instances_publishing_one_pool_settle_without_churn(
 
 
 def test_the_stand_in_stamps_a_taint_sent_without_time_added(api: ResourceApi) -> None:
-    taint = {"key": KEY, "effect": "NoExecute"}
-    item: Object = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": "s"},
-        "spec": {
-            "driver": DRIVER,
-            "nodeName": NODE,
-            "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
-            "devices": [{"name": "d", "taints": [dict(taint)]}],
-        },
-    }
+    owner = Owner(NODE, api.read_node_uid(NODE))
+    taint = {NAMES[0]: DeviceTaint(KEY, TaintEffect.NO_EXECUTE)}
+    (item,) = build_slices(owner, DRIVER, POOL, 1, taint)
     created = api.create_slice(item)
     stamp = created["spec"]["devices"][0]["taints"][0]["timeAdded"]
     assert STAMP.match(stamp) and created["metadata"]["generation"] == 1

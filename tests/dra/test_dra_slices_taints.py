@@ -237,3 +237,19 @@ def test_the_stand_in_refuses_taints_the_real_server_refuses(
 def test_the_stand_in_takes_16_taints_with_values() -> None:
     device_taints = [{"key": f"{KEY}{i}", "value": "v.1_x", "effect": "None"} for i in range(16)]
     assert validate_resource_slice(one_device_slice(device_taints), None) == []
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        pytest.param({"taints": "x"}, id="taints-not-a-list"),
+        pytest.param({"taints": ["x", {"key": [1], "timeAdded": {}}]}, id="taints-not-objects"),
+        pytest.param({"name": ["unhashable"]}, id="name-not-a-string"),
+    ],
+)
+def test_a_held_slice_of_the_wrong_shape_is_written_over(junk: Object) -> None:
+    items = held(taints(1))
+    items[0]["spec"]["devices"][1].update(junk)
+    items[0]["spec"]["devices"].append("not a device")
+    plan = plan_slices(items, OWNER, DRIVER, POOL, taints(1))
+    assert device_taints(plan.update)[NAMES[1]] == [{"key": KEY, "effect": "NoSchedule"}]
