@@ -12,6 +12,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from dra.slices import TaintEffect
 from hostdev.config import ConfigError, default_config, load_config
 from hostdev.labels.publisher import add_label_arguments, build_label_publisher, feature_file_path
 from hostdev.pciids import PciIds
@@ -98,6 +99,17 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="how often the whole host is read again; on a node (--root /) kernel uevents"
         " also trigger a re-read of the devices they name (default: 5)",
     )
+    dra.add_argument(
+        "--unhealthy-taint-effect",
+        type=TaintEffect,
+        choices=list(TaintEffect),
+        default=TaintEffect.NO_SCHEDULE,
+        metavar="{NoSchedule,NoExecute,None}",
+        help="the effect of the taint an unhealthy device gets in its slice: NoSchedule keeps"
+        " new VMs off it and leaves running VMs on it alone; NoExecute also evicts the pods"
+        " (so the VMs) using it, unless their claims tolerate the taint; None only shows it"
+        " (default: NoSchedule)",
+    )
     add_label_arguments(dra, "dra")
     dra.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     dra.set_defaults(run=run)
@@ -149,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         rescan_interval=args.rescan_interval,
         watch_udev=args.root == Path("/"),
         host_root=args.host_root,
+        unhealthy_taint_effect=args.unhealthy_taint_effect,
     )
     stopping = threading.Event()
 

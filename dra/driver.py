@@ -24,6 +24,7 @@ from dra.prepare import ClaimPreparer, ClaimsChanged
 from dra.prepare_plan import Paths
 from dra.publisher import SlicePublisher
 from dra.servicer import DraServicerV1, DraServicerV1beta1
+from dra.slices import TaintEffect
 from dra.state import RECORDS_MODE, ClaimStore
 from hostdev.binding.bind import HostAccess
 from hostdev.config import PluginConfig
@@ -53,6 +54,8 @@ class DriverSettings:
     watch_udev: bool = False
     host_root: Path = Path("/")
     """Holds the host's /lib/modules and modprobe, for binding devices on demand."""
+    unhealthy_taint_effect: TaintEffect = TaintEffect.NO_SCHEDULE
+    """What the taint on an unhealthy device's slice entry does to claims and their pods."""
 
 
 class DraDriver:
@@ -89,7 +92,13 @@ class DraDriver:
             changes=self._events,
             binder=self.binder,
         )
-        self.publisher = SlicePublisher(api, settings.node, settings.driver, ())
+        self.publisher = SlicePublisher(
+            api,
+            settings.node,
+            settings.driver,
+            (),
+            taint_effect=settings.unhealthy_taint_effect,
+        )
         self.sockets = KubeletSockets(
             settings.kubelet_dir,
             settings.driver,

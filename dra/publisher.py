@@ -1,4 +1,5 @@
-"""Keeps the API server's ResourceSlices for this node equal to the devices the host offers.
+"""Keeps the API server's ResourceSlices for this node equal to the devices the host offers,
+each unhealthy one tainted (`slices.build_taints`) with the configured effect.
 
 One thread reconciles: list this node's slices of this driver, plan (`slices.plan_slices`),
 write. It runs when the devices change, when a watch sees a slice changed by anyone but us (the
@@ -11,11 +12,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dra.api import ApiError, ResourceApi
 from dra.devices import DraDevice
-from dra.slices import Owner, SlicePlan, plan_slices
+from dra.health import DeviceHealth
+from dra.slices import (
+    NO_TAINTS,
+    DeviceTaint,
+    Owner,
+    SlicePlan,
+    TaintEffect,
+    build_taints,
+    plan_slices,
+    tainted_devices,
+)
 
 log = logging.getLogger(__name__)
 RESYNC_SECONDS = 60.0
@@ -32,6 +43,7 @@ class SlicePublisher:
         driver: str,
         devices: Sequence[DraDevice],
         *,
+        taint_effect: TaintEffect = TaintEffect.NO_SCHEDULE,
         backoff_first: float = BACKOFF_FIRST,
         backoff_max: float = BACKOFF_MAX,
     ) -> None:
@@ -39,6 +51,10 @@ class SlicePublisher:
         self._node = node
         self._driver = driver
         self._devices = tuple(devices)
+        self._taint_effect = taint_effect
+        self._taints: Mapping[str, DeviceTaint] = NO_TAINTS
+        self._dropped: Mapping[str, DeviceTaint] | None = None
+        """Taints the API server threw away (its DRADeviceTaints gate is off): not sent again."""
         self._owner: Owner | None = None
         self._dirty = threading.Event()
         self._stop = threading.Event()
@@ -62,12 +78,21 @@ class SlicePublisher:
             # The watch thread may sit in a long read; it is a daemon and ends with the process.
             thread.join(timeout=1.0)
 
-    def update(self, devices: Sequence[DraDevice]) -> None:
-        """The host's devices changed: publish these."""
+    def update(
+        self, devices: Sequence[DraDevice], health: Sequence[DeviceHealth] | None = None
+    ) -> None:
+        """The host's devices or their health changed: publish these, the unhealthy ones
+        tainted. Without `health`, the devices keep the health last given."""
+        taints = (
+            self._taints
+            if health is None
+            else build_taints(self._driver, health, self._taint_effect)
+        )
         with self._lock:
-            if tuple(devices) == self._devices:
+            if tuple(devices) == self._devices and taints == self._taints:
                 return
             self._devices = tuple(devices)
+            self._taints = taints
         self._dirty.set()
 
     def _reconcile_loop(self) -> None:
@@ -95,25 +120,44 @@ class SlicePublisher:
         if self._owner is None:
             self._owner = Owner(self._node, self._api.read_node_uid(self._node))
         with self._lock:
-            devices = self._devices
+            devices, taints = self._devices, self._taints
+        if taints == self._dropped:
+            # Sent, they would be dropped again and the pool rewritten on every reconcile; with
+            # two instances publishing it, each would wake the other without end.
+            taints = NO_TAINTS
         existing, _ = self._api.list_slices(self._node, self._driver)
-        plan = plan_slices(existing, self._owner, self._driver, devices)
+        plan = plan_slices(existing, self._owner, self._driver, devices, taints)
         if not plan.empty:
-            self._apply(plan)
+            if self._apply(plan):
+                self._dropped = taints
+                log.warning(
+                    "the API server dropped the taints of %d unhealthy devices (its"
+                    " DRADeviceTaints feature gate is off): the scheduler can still allocate"
+                    " them, and only the kubelet's health stream reports them; enable the gate"
+                    " to keep VMs off unhealthy devices",
+                    len(taints),
+                )
             log.info(
-                "published %d devices in %d slices, generation %d",
+                "published %d devices (%d tainted %s) in %d slices, generation %d",
                 len(devices),
+                sum(d.name in taints for d in devices),
+                self._taint_effect.value,
                 len(plan.create) + len(plan.update) or 1,
                 plan.generation,
             )
 
-    def _apply(self, plan: SlicePlan) -> None:
-        for item in plan.create:
-            self._note(self._api.create_slice(item))
-        for item in plan.update:
-            self._note(self._api.replace_slice(item))
+    def _apply(self, plan: SlicePlan) -> bool:
+        """Write the plan; whether the server dropped taints it was sent."""
+        dropped = False
+        writes = [(self._api.create_slice, item) for item in plan.create]
+        writes += [(self._api.replace_slice, item) for item in plan.update]
+        for write, item in writes:
+            written = write(item)
+            self._note(written)
+            dropped |= bool(tainted_devices(item) - tainted_devices(written))
         for name, version in plan.delete:
             self._api.delete_slice(name, version)
+        return dropped
 
     def _note(self, written: dict[str, object]) -> None:
         metadata = written.get("metadata")

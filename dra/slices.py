@@ -1,24 +1,60 @@
 """ResourceSlices (`resource.k8s.io/v1`) for one node's pool, and the plan that brings what the
 API server holds to them. Pure: objects in, objects and a plan out.
 
-The pool is named after the node, split into slices of at most 128 devices that all carry the
-pool's generation and its slice count; the scheduler only trusts a pool once it sees that many
-slices of the newest generation, so every change of content bumps the generation on all of them.
+The pool is named after the node, split into slices of at most 128 devices (64 once any device
+carries a taint, the API server's limit then) that all carry the pool's generation and its slice
+count; the scheduler only trusts a pool once it sees that many slices of the newest generation, so
+every change of content bumps the generation on all of them.
+
+An unhealthy device carries the taint `<driver>/unhealthy` (KEP-5055): the scheduler allocates it
+to no claim that does not tolerate the taint, and with `NoExecute` evicts the pods using it. The
+API server stamps each taint's `timeAdded` when a write leaves it out; a plan carries the stamp of
+the same taint over, so a stamped pool compares equal to the wanted one and is not rewritten, and
+two writers of one pool agree on it.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from dra.devices import DraDevice, typed_attributes
+from dra.health import DeviceHealth, Health
 
 API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES_PER_SLICE = 128
+MAX_DEVICES_PER_TAINTED_SLICE = 64
 MAX_NAME = 253
+UNHEALTHY_TAINT_NAME = "unhealthy"
 Object = dict[str, Any]
+
+
+class TaintEffect(enum.StrEnum):
+    """What a device taint does to claims that do not tolerate it (and their pods)."""
+
+    NO_SCHEDULE = "NoSchedule"
+    """Not allocated to new claims; claims already allocated keep it."""
+    NO_EXECUTE = "NoExecute"
+    """Also evicts the pods whose claims use it: their VMs stop (a VirtualMachine's run strategy
+    decides whether it starts again elsewhere)."""
+    NONE = "None"
+    """Only shown: allocation and running pods are left alone."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTaint:
+    """One `spec.devices[].taints[]` entry as the driver wants it (the server adds `timeAdded`)."""
+
+    key: str
+    effect: TaintEffect
+    value: str = ""
+
+
+NO_TAINTS: Mapping[str, DeviceTaint] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +79,34 @@ class SlicePlan:
         return not (self.create or self.update or self.delete)
 
 
-def build_device_entry(device: DraDevice) -> Object:
-    return {"name": device.name, "attributes": typed_attributes(device.attributes)}
+def unhealthy_taint_key(driver: str) -> str:
+    """`<driver>/unhealthy`: a label-style name in the driver's own domain (a driver name is a
+    DNS subdomain of at most 63 characters, so the key is always a valid qualified name)."""
+    return f"{driver}/{UNHEALTHY_TAINT_NAME}"
+
+
+def build_taints(
+    driver: str, health: Iterable[DeviceHealth], effect: TaintEffect
+) -> dict[str, DeviceTaint]:
+    """Device name → the taint it carries: UNHEALTHY devices only.
+
+    UNKNOWN is left untainted: it means the driver could not judge (not yet checked), and
+    tainting on it would take every device away from the scheduler whenever checking falters.
+    The taint has no value: the reason is in the health stream's message and the driver's log,
+    and a value that followed the reason would change the taint when the reason changes, which
+    restarts `timeAdded` and so a NoExecute toleration's countdown (node taints such as
+    `node.kubernetes.io/unreachable` carry no value either).
+    """
+    taint = DeviceTaint(unhealthy_taint_key(driver), effect)
+    return {h.device: taint for h in health if h.health is Health.UNHEALTHY}
+
+
+def build_device_entry(device: DraDevice, taint: DeviceTaint | None = None) -> Object:
+    entry: Object = {"name": device.name, "attributes": typed_attributes(device.attributes)}
+    if taint is not None:
+        fields = {"key": taint.key, "value": taint.value, "effect": taint.effect.value}
+        entry["taints"] = [{k: v for k, v in fields.items() if v}]
+    return entry
 
 
 def slice_name(node: str, driver: str, index: int) -> str:
@@ -58,14 +120,25 @@ def slice_name(node: str, driver: str, index: int) -> str:
 
 
 def build_slices(
-    owner: Owner, driver: str, devices: Sequence[DraDevice], generation: int
+    owner: Owner,
+    driver: str,
+    devices: Sequence[DraDevice],
+    generation: int,
+    taints: Mapping[str, DeviceTaint] = NO_TAINTS,
 ) -> list[Object]:
-    """The pool's slices: at least one, so an empty pool is published as empty, not unknown."""
-    entries = [build_device_entry(d) for d in devices]
-    chunks = [
-        entries[start : start + MAX_DEVICES_PER_SLICE]
-        for start in range(0, len(entries), MAX_DEVICES_PER_SLICE)
-    ] or [[]]
+    """The pool's slices: at least one, so an empty pool is published as empty, not unknown.
+
+    `taints` maps device names to the taint each carries. While any device is tainted every
+    slice holds at most 64: the split stays one rule of the pool, and the pool is rewritten at
+    a new generation on any taint change anyway.
+    """
+    entries = [build_device_entry(d, taints.get(d.name)) for d in devices]
+    size = (
+        MAX_DEVICES_PER_TAINTED_SLICE
+        if any(d.name in taints for d in devices)
+        else MAX_DEVICES_PER_SLICE
+    )
+    chunks = [entries[start : start + size] for start in range(0, len(entries), size)] or [[]]
     return [
         {
             "apiVersion": API_VERSION,
@@ -98,17 +171,23 @@ def build_slices(
 
 
 def plan_slices(
-    existing: Iterable[Object], owner: Owner, driver: str, devices: Sequence[DraDevice]
+    existing: Iterable[Object],
+    owner: Owner,
+    driver: str,
+    devices: Sequence[DraDevice],
+    taints: Mapping[str, DeviceTaint] = NO_TAINTS,
 ) -> SlicePlan:
-    """What to write so the API server holds exactly the pool for `devices`.
+    """What to write so the API server holds exactly the pool for `devices` and `taints`.
 
     Nothing when it already does. Otherwise every slice is written at a generation above any
-    seen (also above slices some other writer left), and slices beyond the new count go.
+    seen (also above slices some other writer left), and slices beyond the new count go. A
+    taint already held (same device, key, value and effect) keeps its `timeAdded`.
     """
     current = {s["metadata"]["name"]: s for s in existing}
     generations = [_pool(s).get("generation", 0) for s in current.values()]
     generation = max(generations, default=0)
-    wanted = build_slices(owner, driver, devices, generation + 1)
+    wanted = build_slices(owner, driver, devices, generation + 1, taints)
+    _carry_time_added(current.values(), wanted)
     if current and _same_pool(current, wanted):
         return SlicePlan(generation, (), (), ())
     generation += 1
@@ -128,6 +207,39 @@ def plan_slices(
         if name not in names
     )
     return SlicePlan(generation, tuple(create), tuple(update), delete)
+
+
+def tainted_devices(item: Object) -> set[str]:
+    """The names of a slice's devices that carry a taint (of a written slice, as answered)."""
+    return {str(d.get("name")) for d in _entries(item) if d.get("taints")}
+
+
+def _carry_time_added(current: Iterable[Object], wanted: Sequence[Object]) -> None:
+    """Give each wanted taint the `timeAdded` the server stamped on the same taint of the same
+    device, wherever in the pool that device is held now (a split can move it)."""
+    stamped: dict[tuple[str, tuple[str, str, str]], str] = {}
+    for item in current:
+        for device in _entries(item):
+            taints = device.get("taints")
+            for taint in taints if isinstance(taints, list) else []:
+                if isinstance(taint, dict) and isinstance(taint.get("timeAdded"), str):
+                    stamped[str(device.get("name")), _taint_identity(taint)] = taint["timeAdded"]
+    for item in wanted:
+        for device in item["spec"]["devices"]:
+            for taint in device.get("taints", ()):
+                held = stamped.get((device["name"], _taint_identity(taint)))
+                if held is not None:
+                    taint["timeAdded"] = held
+
+
+def _taint_identity(taint: Object) -> tuple[str, str, str]:
+    return str(taint.get("key")), str(taint.get("value") or ""), str(taint.get("effect"))
+
+
+def _entries(item: Object) -> list[Object]:
+    """A held slice's device entries (what is not an object is no device of ours)."""
+    devices = (item.get("spec") or {}).get("devices")
+    return [d for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
 
 
 def _pool(item: Object) -> Object:

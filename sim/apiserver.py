@@ -5,14 +5,17 @@ It serves, with the real server's status codes and `Status` bodies:
 - `GET /api/v1/nodes[/{name}]` (nodes are seeded with `put_node`), and JSON merge patches
   (`application/merge-patch+json`) of any named object;
 - `resource.k8s.io/v1` ResourceClaims: get and list (claims are seeded with `put_claim` and
-  allocated with `set_allocation`, as the scheduler would);
+  allocated with `set_allocation`, as the scheduler would; `allocatable` says which devices it
+  could pick, leaving out those with a taint the request does not tolerate);
 - `resource.k8s.io/v1` ResourceSlices: list (field selectors `metadata.name`, `spec.nodeName`,
   `spec.driver`, label selectors, `limit`/`continue`), watch (chunked JSON events from a
   resourceVersion, `timeoutSeconds`, bookmarks, 410 Expired after `compact()`), get, create
   (`generateName`, 409 AlreadyExists), update (409 Conflict on a stale resourceVersion), delete
   (preconditions) and deletecollection;
 - 422 Invalid for objects that break the ResourceSlice rules the real server enforces, or that
-  the optional `validate` callback (e.g. the official OpenAPI schema) refuses.
+  the optional `validate` callback (e.g. the official OpenAPI schema) refuses;
+- a device taint's `timeAdded` stamped when a write leaves it out, and (`device_taints=False`)
+  taints dropped as by a server whose DRADeviceTaints feature gate is off.
 
 Test controls act as the rest of the cluster would (the kubelet deleting a node's slices, the
 scheduler allocating a claim), inject failures (the next N requests answered 5xx, a forced
@@ -54,6 +57,7 @@ from sim.apiserver_rules import (
     FieldError,
     Kind,
     Object,
+    build_allocatable,
     build_status,
     parse_field_selector,
     validate_metadata,
@@ -91,12 +95,15 @@ class ApiServerStandIn:
         watch_timeout: float = 1800.0,
         bookmark_interval: float = 60.0,
         history_limit: int = 10_000,
+        device_taints: bool = True,
     ) -> None:
+        """`device_taints=False`: a server with the DRADeviceTaints feature gate off, which
+        drops the taints of slices it is sent."""
         self.validate = validate
         self.watch_timeout = watch_timeout
         self.bookmark_interval = bookmark_interval
         self.token = secrets.token_urlsafe(24)
-        self.store = Store(history_limit)
+        self.store = Store(history_limit, device_taints)
         self.port = 0
         self._tls = build_serving_certificate([self.host]) if tls else None
         self._server: ApiHttpServer | None = None
@@ -233,6 +240,13 @@ class ApiServerStandIn:
             "items"
         ]
         return [{"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1", **s} for s in found]
+
+    def allocatable(
+        self, node_name: str, driver: str, tolerations: Sequence[Object] = ()
+    ) -> list[str]:
+        """The devices of the node's pool the scheduler would allocate to a request with these
+        `tolerations` (`DeviceToleration`s), as `build_allocatable` decides."""
+        return build_allocatable(self.slices(node_name, driver), tolerations)
 
     def delete(self, kind: str, name: str, namespace: str = "") -> Object:
         return self.store.delete(_kind_named(kind), namespace, name)

@@ -1,14 +1,15 @@
 """What the Kubernetes API server decides about a request, as pure functions: the served kinds,
 `Status` bodies, field and label selectors, and the ResourceSlice rules that the OpenAPI schema
 does not carry (kubernetes pkg/apis/resource/validation: at most 128 devices, device names that
-are DNS labels, exactly one node selection, attribute limits). Messages are the real server's,
-so a driver's error handling meets the text it will meet in a cluster.
+are DNS labels, exactly one node selection, attribute limits, device taints), and the defaults it
+sets on what it decodes (a device taint's `timeAdded`). Messages are the real server's, so a
+driver's error handling meets the text it will meet in a cluster.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,6 +20,8 @@ DEVICES_PER_SLICE_WITH_ADVANCED_FEATURES = 64
 ATTRIBUTES_AND_CAPACITIES_PER_DEVICE = 32
 ATTRIBUTE_VALUE_MAX_LENGTH = 64
 ATTRIBUTE_ID_MAX_LENGTH = 32
+TAINTS_PER_DEVICE = 16
+TAINT_EFFECTS = ("NoExecute", "NoSchedule", "None")
 DRIVER_NAME_MAX_LENGTH = 63
 POOL_NAME_MAX_LENGTH = 253
 
@@ -26,6 +29,7 @@ _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_LABEL = re.compile(f"^{_LABEL}$")
 _DNS_SUBDOMAIN = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _SEMVER = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
     r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
@@ -45,6 +49,17 @@ _C_IDENTIFIER_MESSAGE = (
     "a valid C identifier must start with alphabetic character or '_', followed by a string of"
     " alphanumeric characters or '_' (e.g. 'my_name',  or 'MY_NAME',  or 'MyName', regex used"
     " for validation is '[A-Za-z_][A-Za-z0-9_]*')"
+)
+_NAME_PART_MESSAGE = (
+    "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end"
+    " with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for"
+    " validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')"
+)
+_LABEL_VALUE_MESSAGE = (
+    "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or"
+    " '.', and must start and end with an alphanumeric character (e.g. 'MyValue',  or"
+    " 'my_value',  or '12345', regex used for validation is"
+    " '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')"
 )
 _NODE_SELECTION = ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
 _LIST_VALUE_KEYS = {"bools", "ints", "strings", "versions"}
@@ -423,6 +438,7 @@ def _device_body(device: Object, path: str, per_device_node_selection: bool) -> 
         errors += _attribute(attribute, f"{path}.attributes[{key}]")
     for key in capacity:
         errors += _qualified_name(key, f"{path}.capacity")
+    errors += _taints(device.get("taints") or [], f"{path}.taints")
     own_selection = [
         f for f in ("nodeName", "nodeSelector", "allNodes") if device.get(f) is not None
     ]
@@ -457,6 +473,118 @@ def _qualified_name(name: str, field: str) -> list[FieldError]:
     if not _C_IDENTIFIER.match(identifier):
         errors.append(invalid(field, identifier, _C_IDENTIFIER_MESSAGE))
     return errors
+
+
+def _taints(taints: list[Object], path: str) -> list[FieldError]:
+    """validateDeviceTaint: a label-name key, a label value, a known effect; at most 16."""
+    if len(taints) > TAINTS_PER_DEVICE:
+        detail = f"must have at most {TAINTS_PER_DEVICE} items"
+        return [FieldError(path, "FieldValueTooMany", len(taints), detail)]
+    errors: list[FieldError] = []
+    for index, taint in enumerate(taints):
+        at = f"{path}[{index}]"
+        key = taint.get("key") or ""
+        errors += [required(f"{at}.key")] if not key else _label_name(key, f"{at}.key")
+        value = taint.get("value") or ""
+        if len(value) > 63:
+            errors.append(invalid(f"{at}.value", value, "must be no more than 63 characters"))
+        if value and not _LABEL_NAME.match(value):
+            errors.append(invalid(f"{at}.value", value, _LABEL_VALUE_MESSAGE))
+        effect = taint.get("effect") or ""
+        if not effect:
+            errors.append(required(f"{at}.effect"))
+        elif effect not in TAINT_EFFECTS:
+            supported = "supported values: " + ", ".join(f'"{e}"' for e in TAINT_EFFECTS)
+            errors.append(FieldError(f"{at}.effect", "FieldValueNotSupported", effect, supported))
+    return errors
+
+
+def _label_name(name: str, field: str) -> list[FieldError]:
+    """IsQualifiedName: `[prefix/]name`, the prefix a DNS subdomain, the name at most 63."""
+    prefix, _, part = name.rpartition("/")
+    errors: list[FieldError] = []
+    if "/" in prefix:
+        return [invalid(field, name, "a qualified name " + _NAME_PART_MESSAGE)]
+    if "/" in name:
+        if not prefix:
+            errors.append(invalid(field, name, "prefix part must be non-empty"))
+        else:
+            errors += [replace(e, value=name) for e in _dns_subdomain(prefix, field)]
+    if not part:
+        errors.append(invalid(field, name, "name part must be non-empty"))
+    elif len(part) > 63:
+        errors.append(invalid(field, name, "name part must be no more than 63 characters"))
+    elif not _LABEL_NAME.match(part):
+        errors.append(invalid(field, name, _NAME_PART_MESSAGE))
+    return errors
+
+
+def build_allocatable(slices: list[Object], tolerations: Sequence[Object]) -> list[str]:
+    """The scheduler's view of one pool: the devices of its newest generation (none while that
+    generation is incomplete: the scheduler waits for it) whose taints are all tolerated or
+    have no effect on scheduling (`None`, and any effect it does not know)."""
+    if not slices:
+        return []
+    generation = max(_pool_of(s).get("generation", 0) for s in slices)
+    newest = [s for s in slices if _pool_of(s).get("generation", 0) == generation]
+    if len(newest) != _pool_of(newest[0]).get("resourceSliceCount"):
+        return []
+    return [
+        d["name"]
+        for item in newest
+        for d in _devices_of(item)
+        if all(
+            t.get("effect") not in ("NoSchedule", "NoExecute")
+            or any(_tolerates(toleration, t) for toleration in tolerations)
+            for t in d.get("taints") or []
+        )
+    ]
+
+
+def _pool_of(item: Object) -> Object:
+    pool: Object = (item.get("spec") or {}).get("pool") or {}
+    return pool
+
+
+def _tolerates(toleration: Object, taint: Object) -> bool:
+    """DeviceToleration.ToleratesTaint: an empty key (with Exists) or effect matches any."""
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("key") and toleration["key"] != taint.get("key"):
+        return False
+    operator = toleration.get("operator") or "Equal"
+    if operator == "Exists":
+        return True
+    return operator == "Equal" and (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def default_resource_slice(obj: Object, now: str) -> None:
+    """SetDefaults_DeviceTaint: a taint sent without `timeAdded` gets the current time, to the
+    second. The real server does this as it decodes a create or update, before it compares the
+    spec with the stored one, so a taint sent without it is a change."""
+    for device in _devices_of(obj):
+        taints = device.get("taints")
+        for taint in taints if isinstance(taints, list) else []:
+            if isinstance(taint, dict) and not taint.get("timeAdded"):
+                taint["timeAdded"] = now
+
+
+def drop_disabled_slice_fields(obj: Object, old: Object | None) -> None:
+    """dropDisabledDRADeviceTaintsFields on a server with the DRADeviceTaints gate off (before
+    1.37 it may be): the taints of a write are dropped without a word, unless the stored slice
+    already has some."""
+    if old is not None and any(d.get("taints") for d in _devices_of(old)):
+        return
+    for device in _devices_of(obj):
+        device.pop("taints", None)
+
+
+def _devices_of(obj: Object) -> list[Object]:
+    """A slice's devices that are objects: what a body of the wrong shape has is left to the
+    checks, which answer for it."""
+    spec = obj.get("spec")
+    devices = spec.get("devices") if isinstance(spec, dict) else None
+    return [d for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
 
 
 def _attribute(attribute: Object, path: str) -> list[FieldError]:

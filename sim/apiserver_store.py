@@ -23,12 +23,15 @@ from dataclasses import dataclass
 
 from sim.apiserver_rules import (
     RESOURCE_CLAIMS,
+    RESOURCE_SLICES,
     STALE,
     FieldError,
     Kind,
     Object,
     Requirement,
     build_status,
+    default_resource_slice,
+    drop_disabled_slice_fields,
     status_already_exists,
     status_conflict,
     status_expired,
@@ -80,8 +83,9 @@ class Selection:
 
 
 class Store:
-    def __init__(self, history_limit: int = 10_000) -> None:
+    def __init__(self, history_limit: int = 10_000, device_taints: bool = True) -> None:
         self.changed = threading.Condition()
+        self._device_taints = device_taints
         self._objects: dict[tuple[str, str, str], Object] = {}
         self._history: list[Event] = []
         self._history_limit = history_limit
@@ -135,8 +139,7 @@ class Store:
     def create(
         self, kind: Kind, namespace: str, body: Object, checks: Checks | None = None
     ) -> Object:
-        obj = copy.deepcopy(body)
-        obj["kind"], obj["apiVersion"] = kind.kind, kind.api_version
+        obj = _decoded(kind, body)
         meta = obj.setdefault("metadata", {})
         if meta.get("resourceVersion"):
             raise ApiError(
@@ -154,6 +157,8 @@ class Store:
             )
         if kind is RESOURCE_CLAIMS:
             obj.pop("status", None)  # status is a subresource: a create cannot set it
+        if kind is RESOURCE_SLICES and not self._device_taints:
+            drop_disabled_slice_fields(obj, None)
         self._check(kind, obj, None, checks)
         with self.changed:
             key = (kind.resource, namespace if kind.namespaced else "", meta["name"])
@@ -168,8 +173,7 @@ class Store:
     def update(
         self, kind: Kind, namespace: str, name: str, body: Object, checks: Checks | None = None
     ) -> Object:
-        obj = copy.deepcopy(body)
-        obj["kind"], obj["apiVersion"] = kind.kind, kind.api_version
+        obj = _decoded(kind, body)
         meta = obj.setdefault("metadata", {})
         if meta.get("name") != name:
             raise ApiError(
@@ -195,6 +199,8 @@ class Store:
             if "generation" in old_meta:
                 changed = obj.get("spec") != old.get("spec")
                 meta["generation"] = old_meta["generation"] + int(changed)
+            if kind is RESOURCE_SLICES and not self._device_taints:
+                drop_disabled_slice_fields(obj, old)
             if kind is RESOURCE_CLAIMS:
                 obj["status"] = copy.deepcopy(old.get("status", {}))
             self._check(kind, obj, old, checks)
@@ -328,6 +334,16 @@ class Store:
             dropped = self._history.pop(0)
             self._oldest = dropped.resource_version
         self.changed.notify_all()
+
+
+def _decoded(kind: Kind, body: Object) -> Object:
+    """A client's object as the server holds it once decoded: its own copy, kind and apiVersion
+    set, defaults filled in."""
+    obj = copy.deepcopy(body)
+    obj["kind"], obj["apiVersion"] = kind.kind, kind.api_version
+    if kind is RESOURCE_SLICES:
+        default_resource_slice(obj, _now())
+    return obj
 
 
 def _check_preconditions(

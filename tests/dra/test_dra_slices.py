@@ -2,42 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-from types import MappingProxyType
-
 import pytest
 
-from dra.devices import DraDevice, device_name
 from dra.slices import MAX_DEVICES_PER_SLICE, Owner, build_slices, plan_slices, slice_name
-from hostdev.bdf import Bdf
+from dra_kit import DRIVER
+from dra_slices_kit import devices, stored
 
 OWNER = Owner("node-a", "0f0f0f0f-0000-4000-8000-000000000001")
-DRIVER = "vfio.kubevirt-iommufd.io"
-
-
-def devices(count: int) -> list[DraDevice]:
-    made = []
-    for index in range(count):
-        bdf = Bdf(0, index // 32 + 1, index % 32, 0)
-        made.append(
-            DraDevice(
-                name=device_name(bdf),
-                bdf=bdf,
-                resource="example.com/dev",
-                attributes=MappingProxyType({"resource.kubernetes.io/pciBusID": str(bdf)}),
-                device_nodes=(),
-                group=index,
-            )
-        )
-    return made
-
-
-def stored(objects: list[dict[str, object]], start: int = 1) -> list[dict[str, object]]:
-    """What the API server would hold after creating `objects`: each with a resourceVersion."""
-    held = copy.deepcopy(objects)
-    for offset, item in enumerate(held):
-        item["metadata"]["resourceVersion"] = str(start + offset)  # type: ignore[index]
-    return held
 
 
 @pytest.mark.parametrize(("count", "slices"), [(0, 1), (1, 1), (128, 1), (129, 2), (4096, 32)])
@@ -81,14 +52,14 @@ def test_a_change_bumps_the_generation_on_every_slice_and_drops_extra_ones() -> 
 
 def test_mixed_generations_left_by_a_crash_are_rewritten_above_the_highest() -> None:
     held = stored(build_slices(OWNER, DRIVER, devices(130), 4))
-    held[1]["spec"]["pool"]["generation"] = 7  # type: ignore[index]
+    held[1]["spec"]["pool"]["generation"] = 7
     plan = plan_slices(held, OWNER, DRIVER, devices(130))
     assert plan.generation == 8 and len(plan.update) == 2
 
 
 def test_a_slice_edited_by_someone_else_is_written_back() -> None:
     held = stored(build_slices(OWNER, DRIVER, devices(3), 2))
-    held[0]["spec"]["devices"].pop()  # type: ignore[index]
+    held[0]["spec"]["devices"].pop()
     plan = plan_slices(held, OWNER, DRIVER, devices(3))
     assert plan.generation == 3 and len(plan.update) == 1
 
