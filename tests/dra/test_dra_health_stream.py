@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import kubernetes.client
 import pytest
 
+from dra.api import ResourceApi
+from dra.driver import DraDriver
 from dra.health import DeviceHealth, Health
 from dra.health_stream import MAX_WATCHERS, HealthStreams, build_message
 from dra.healthapi.v1 import api_pb2 as h1_pb2
@@ -26,7 +29,10 @@ from dra.kubelet_sockets import KubeletSockets, dra_socket_path
 from dra.servicer import DraServicerV1, DraServicerV1beta1
 from dra.v1 import api_pb2 as v1_pb2
 from dra.v1 import api_pb2_grpc as v1_grpc
-from dra_kit import DRIVER, NODE, REF, Node, short_directory
+from dra_kit import DRIVER, NODE, REF, Node, driver_settings, short_directory
+from hostdev.config import default_config
+from hostdev.pciids import PciIds
+from sim.apiserver import ApiServerStandIn
 from sim.dra_kubelet import Claim, DRAKubeletStandIn
 
 VERSIONS = {
@@ -358,3 +364,43 @@ def test_a_stream_cut_off_is_opened_again_while_registered(
         wait_watchers(health, 1)
         health.update([unhealthy()])
         kubelet.wait_health(DRIVER, lambda h: h[f"{NODE}/{GPU}"].health == "Unhealthy")
+
+
+# --- the driver ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rescan", "timeout"), [(0.2, 30), (5.0, 30), (10.0, 30), (10.5, 32)])
+def test_the_timeout_follows_the_rescan_interval(
+    scenario_root: Any,
+    api_client: kubernetes.client.ApiClient,
+    rescan: float,
+    timeout: int,
+    tmp_path: Path,
+) -> None:
+    settings = driver_settings(scenario_root("hgx-h100"), tmp_path, rescan)
+    driver = DraDriver(settings, default_config(), PciIds(None), ResourceApi(api_client))
+    assert driver.health.timeout_seconds == timeout
+    assert driver.health.pool == NODE
+
+
+def test_the_driver_serves_health_and_ends_the_streams_at_stop(
+    scenario_root: Any, apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient
+) -> None:
+    apiserver.put_node(NODE)
+    with short_directory() as base:
+        settings = driver_settings(scenario_root("hgx-h100"), base, 0.2)
+        driver = DraDriver(settings, default_config(), PciIds(None), ResourceApi(api_client))
+        driver.start()
+        with DRAKubeletStandIn(base / "kubelet", info_poll_interval=None) as kubelet:
+            try:
+                assert kubelet.wait_registered(DRIVER).health_service == "v1.DRAResourceHealth"
+                driver.health.update([unhealthy()])
+                seen = kubelet.wait_health(DRIVER, lambda h: f"{NODE}/{GPU}" in h)
+                assert seen[f"{NODE}/{GPU}"].health == "Unhealthy"
+            finally:
+                driver.stop()
+            kubelet.wait_for(
+                lambda: [e for _, e, _ in kubelet.health_events][:2] == ["opened", "ended"],
+                5,
+                "the stream did not end cleanly at driver stop",
+            )
