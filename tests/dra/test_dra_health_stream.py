@@ -261,12 +261,16 @@ def test_a_stalled_watcher_never_slows_update(
     stalled = grpc.insecure_channel(f"unix:{dra_socket_path(kubelet_dir, DRIVER)}")
     call = watch(stalled)  # opened, never read
     wait_watchers(health, 1)
-    slowest = 0.0
+    took = []
     for _ in range(500):
         start = time.perf_counter()
         health.update(many)
-        slowest = max(slowest, time.perf_counter() - start)
-    assert slowest < 0.005, f"update() took {slowest * 1e6:.0f} µs with a stalled watcher"
+        took.append(time.perf_counter() - start)
+    took.sort()
+    # An update that waited for the stalled client would never return; the slowest one here is
+    # whatever the scheduler of a busy machine adds (the GIL changes hands every 5 ms).
+    assert took[len(took) // 2] < 0.0005, f"median update() {took[len(took) // 2] * 1e6:.0f} µs"
+    assert took[-1] < 0.25, f"slowest update() {took[-1] * 1e3:.0f} ms"
     call.cancel()
     stalled.close()
     wait_watchers(health, 0)

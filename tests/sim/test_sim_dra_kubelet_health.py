@@ -150,7 +150,7 @@ class HealthPlugin:
         self.dra_socket = directory / "plugins" / DRIVER / "dra.sock"
         self.health = _Health()
         self._servers: list[grpc.Server] = []
-        self.reg_socket.parent.mkdir(parents=True)
+        self.reg_socket.parent.mkdir(parents=True, exist_ok=True)
         self.dra_socket.parent.mkdir(parents=True)
         dra = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         if serve_health:
@@ -180,90 +180,96 @@ def directory() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def plugin_of(
-    directory: Path, versions: tuple[str, ...] = ALL_HEALTH, *, serve: bool = True
+@pytest.fixture
+def kubelet(directory: Path) -> Iterator[DRAKubeletStandIn]:
+    with DRAKubeletStandIn(directory, **FAST) as started:
+        yield started
+
+
+@pytest.fixture
+def plugins() -> Iterator[list[HealthPlugin]]:
+    started: list[HealthPlugin] = []
+    yield started
+    for plugin in started:
+        plugin.stop()
+
+
+def registered(
+    kubelet: DRAKubeletStandIn,
+    plugins: list[HealthPlugin],
+    versions: tuple[str, ...] = ALL_HEALTH,
+    *,
+    serve: bool = True,
 ) -> HealthPlugin:
-    return HealthPlugin(directory, versions, serve)
+    """A plugin serving in the kubelet's directory, once the kubelet has registered it."""
+    plugin = HealthPlugin(kubelet.registry_dir.parent, versions, serve)
+    plugins.append(plugin)
+    kubelet.wait_registered(DRIVER)
+    return plugin
 
 
 def events(kubelet: DRAKubeletStandIn) -> list[str]:
     return [event for _, event, _ in kubelet.health_events]
 
 
-def test_a_plugin_without_a_health_service_is_not_watched(directory: Path) -> None:
-    plugin = plugin_of(directory, ())
-    try:
-        with DRAKubeletStandIn(directory, **FAST) as kubelet:
-            assert kubelet.wait_registered(DRIVER).health_service is None
-            time.sleep(0.2)
-            assert events(kubelet) == []
-            assert plugin.health.opened == 0
-    finally:
-        plugin.stop()
+def test_a_plugin_without_a_health_service_is_not_watched(
+    kubelet: DRAKubeletStandIn, plugins: list[HealthPlugin]
+) -> None:
+    plugin = registered(kubelet, plugins, ())
+    registration = kubelet.current(DRIVER)
+    assert registration is not None and registration.health_service is None
+    time.sleep(0.2)
+    assert events(kubelet) == []
+    assert plugin.health.opened == 0
 
 
-def test_unimplemented_is_not_asked_again(directory: Path) -> None:
-    plugin = plugin_of(directory, serve=False)
-    try:
-        with DRAKubeletStandIn(directory, **FAST) as kubelet:
-            kubelet.wait_registered(DRIVER)
-            kubelet.wait_for(lambda: len(kubelet.health_events) >= 2, 5, "no health failure")
-            time.sleep(0.3)  # six retry periods
-            assert events(kubelet) == ["opened", "failed: UNIMPLEMENTED"]
-    finally:
-        plugin.stop()
+def test_unimplemented_is_not_asked_again(
+    kubelet: DRAKubeletStandIn, plugins: list[HealthPlugin]
+) -> None:
+    registered(kubelet, plugins, serve=False)
+    kubelet.wait_for(lambda: len(kubelet.health_events) >= 2, 5, "no health failure")
+    time.sleep(0.3)  # six retry periods
+    assert events(kubelet) == ["opened", "failed: UNIMPLEMENTED"]
 
 
-def test_a_stream_the_plugin_ends_is_opened_again(directory: Path) -> None:
-    plugin = plugin_of(directory)
-    try:
-        with DRAKubeletStandIn(directory, **FAST) as kubelet:
-            kubelet.wait_registered(DRIVER)
-            plugin.health.script.put(response(("a", 1, "", 30)))
-            kubelet.wait_health(DRIVER, lambda h: "node-a/a" in h)
-            plugin.health.script.put(END)
-            kubelet.wait_for(lambda: events(kubelet).count("opened") >= 2, 5, "not reopened")
-            assert events(kubelet)[:3] == ["opened", "ended", "opened"]
-            plugin.health.script.put(response(("a", 2, "lost", 30)))
-            seen = kubelet.wait_health(DRIVER, lambda h: h["node-a/a"].health == "Unhealthy")
-            assert seen["node-a/a"] == SeenHealth(
-                "node-a", "a", "Unhealthy", "lost", 1_780_000_000, 30.0, seen["node-a/a"].received
-            )
-    finally:
-        plugin.stop()
+def test_a_stream_the_plugin_ends_is_opened_again(
+    kubelet: DRAKubeletStandIn, plugins: list[HealthPlugin]
+) -> None:
+    plugin = registered(kubelet, plugins)
+    plugin.health.script.put(response(("a", 1, "", 30)))
+    kubelet.wait_health(DRIVER, lambda h: "node-a/a" in h)
+    plugin.health.script.put(END)
+    kubelet.wait_for(lambda: events(kubelet).count("opened") >= 2, 5, "not reopened")
+    assert events(kubelet)[:3] == ["opened", "ended", "opened"]
+    plugin.health.script.put(response(("a", 2, "lost", 30)))
+    seen = kubelet.wait_health(DRIVER, lambda h: h["node-a/a"].health == "Unhealthy")
+    assert seen["node-a/a"] == SeenHealth(
+        "node-a", "a", "Unhealthy", "lost", 1_780_000_000, 30.0, seen["node-a/a"].received
+    )
 
 
-def test_no_news_within_the_timeout_reads_unknown(directory: Path) -> None:
-    plugin = plugin_of(directory)
-    try:
-        with DRAKubeletStandIn(directory, **FAST) as kubelet:
-            kubelet.wait_registered(DRIVER)
-            plugin.health.script.put(response(("a", 1, "", 1)))
-            kubelet.wait_health(DRIVER, lambda h: h.get("node-a/a", None) is not None)
-            assert kubelet.health(DRIVER)["node-a/a"].health == "Healthy"
-            waited = kubelet.wait_for(
-                lambda: kubelet.health(DRIVER)["node-a/a"].health == "Unknown", 5, "not Unknown"
-            )
-            assert 0.5 < waited < 2.0
-            plugin.health.script.put(response(("a", 1, "", 1)))
-            kubelet.wait_health(DRIVER, lambda h: h["node-a/a"].health == "Healthy")
-    finally:
-        plugin.stop()
+def test_no_news_within_the_timeout_reads_unknown(
+    kubelet: DRAKubeletStandIn, plugins: list[HealthPlugin]
+) -> None:
+    plugin = registered(kubelet, plugins)
+    plugin.health.script.put(response(("a", 1, "", 1)))
+    kubelet.wait_health(DRIVER, lambda h: "node-a/a" in h)
+    assert kubelet.health(DRIVER)["node-a/a"].health == "Healthy"
+    waited = kubelet.wait_for(
+        lambda: kubelet.health(DRIVER)["node-a/a"].health == "Unknown", 5, "not Unknown"
+    )
+    assert 0.5 < waited < 2.0
+    plugin.health.script.put(response(("a", 1, "", 1)))
+    kubelet.wait_health(DRIVER, lambda h: h["node-a/a"].health == "Healthy")
 
 
-def test_deregistration_cancels_the_stream(directory: Path) -> None:
-    plugin = plugin_of(directory)
-    try:
-        with DRAKubeletStandIn(directory, **FAST) as kubelet:
-            kubelet.wait_registered(DRIVER)
-            kubelet.wait_for(lambda: plugin.health.opened == 1, 5, "no stream")
-            plugin.stop_registration()
-            kubelet.wait_deregistered(DRIVER)
-            deadline = time.monotonic() + 5
-            while plugin.health.cancelled < 1:
-                assert time.monotonic() < deadline, "the stream was not cancelled"
-                time.sleep(0.01)
-            time.sleep(0.2)
-            assert plugin.health.opened == 1
-    finally:
-        plugin.stop()
+def test_deregistration_cancels_the_stream(
+    kubelet: DRAKubeletStandIn, plugins: list[HealthPlugin]
+) -> None:
+    plugin = registered(kubelet, plugins)
+    kubelet.wait_for(lambda: plugin.health.opened == 1, 5, "no stream")
+    plugin.stop_registration()
+    kubelet.wait_deregistered(DRIVER)
+    kubelet.wait_for(lambda: plugin.health.cancelled == 1, 5, "the stream was not cancelled")
+    time.sleep(0.2)
+    assert plugin.health.opened == 1
