@@ -1,11 +1,15 @@
 """The driver's device health, handed to every kubelet health stream (KEP-4680) that is open.
 
 `HealthStreams.update` takes the driver's complete list and returns at once: it is called from the
-thread that also publishes the slices, so it never waits for a watcher. Each watcher has one slot
-holding the newest list it has not sent yet; a slow watcher skips the lists that came in between
-and always ends with the latest. A watcher gets the current list as soon as it opens (once the
-driver has judged its devices at all), then every later one, until its stream ends — cancelled by
-the kubelet or closed by `close` at driver stop.
+thread that also publishes the slices, so it never waits for a watcher. Call it after every check,
+changed or not: the kubelet stamps each device with the time the list arrived and reads it as
+Unknown once `timeout_seconds` pass without another (pkg/kubelet/cm/dra/healthinfo.go), and
+nothing here re-sends an old list on its own, which would hide a driver that stopped checking.
+
+Each watcher has one slot holding the newest list it has not sent yet; a slow watcher skips the
+lists that came in between and always ends with the latest. A watcher gets the current list as
+soon as it opens (once the driver has judged its devices at all), then every later one, until its
+stream ends — cancelled by the kubelet or closed by `close` at driver stop.
 
 Each open stream holds one of the DRA socket's gRPC worker threads for as long as it lasts
 (hostdev.grpc_socket, 8 workers), so at most `MAX_WATCHERS` may be open at once and more are
