@@ -10,6 +10,7 @@ prepared, so a claim never gets a device on the strength of an old reading.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 from dra.api import ResourceApi
 from dra.binding import OnDemandBinder
 from dra.devices import DraDevice
+from dra.health_stream import HealthStreams
 from dra.host_cache import HostCache
 from dra.kubelet_sockets import KubeletSockets
 from dra.prepare import ClaimPreparer, ClaimsChanged
@@ -99,11 +101,18 @@ class DraDriver:
             (),
             taint_effect=settings.unhealthy_taint_effect,
         )
+        # Events re-judge a device at once, but the periodic re-scan is the one check that always
+        # comes: three re-scans missed (a stuck event thread) is when the kubelet should stop
+        # believing us, and never sooner than its own 30 s default.
+        self.health = HealthStreams(
+            settings.node, timeout_seconds=max(30, math.ceil(3 * settings.rescan_interval))
+        )
         self.sockets = KubeletSockets(
             settings.kubelet_dir,
             settings.driver,
             DraServicerV1(self.preparer),
             DraServicerV1beta1(self.preparer),
+            self.health,
         )
         self._udev = UdevWatch(self._events.put) if settings.watch_udev else None
         self._events_thread = threading.Thread(
@@ -156,6 +165,8 @@ class DraDriver:
         if self._udev is not None:
             self._udev.stop()
         self._events.put(None)
+        # Before the sockets: each stream then ends with OK instead of being cut off.
+        self.health.close()
         self.sockets.stop()
         self.publisher.stop()
         if self._events_thread.is_alive():

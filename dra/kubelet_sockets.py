@@ -1,6 +1,7 @@
 """The driver's two sockets in the kubelet's directory, kept there for as long as it runs.
 
-`plugins/<driver>/dra.sock` serves DRAPlugin (v1 and v1beta1); `plugins_registry/<driver>-reg.sock`
+`plugins/<driver>/dra.sock` serves DRAPlugin (v1 and v1beta1) and DRAResourceHealth (v1,
+v1beta1, v1alpha1); `plugins_registry/<driver>-reg.sock`
 serves Registration, and its appearance is what makes the kubelet's plugin watcher call GetInfo.
 A restarting kubelet may wipe either directory: a guard thread notices a socket that is gone (or
 is no longer ours) within `check_interval` and serves it anew, which registers the driver again.
@@ -14,8 +15,19 @@ from pathlib import Path
 
 import grpc
 
+from dra.health_stream import HealthStreams
+from dra.healthapi.v1 import api_pb2_grpc as health_v1_grpc
+from dra.healthapi.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
+from dra.healthapi.v1beta1 import api_pb2_grpc as health_v1beta1_grpc
 from dra.pluginregistration.v1 import api_pb2_grpc as registration_grpc
-from dra.servicer import DraServicerV1, DraServicerV1beta1, RegistrationServicer
+from dra.servicer import (
+    DraServicerV1,
+    DraServicerV1beta1,
+    HealthServicerV1,
+    HealthServicerV1alpha1,
+    HealthServicerV1beta1,
+    RegistrationServicer,
+)
 from dra.v1 import api_pb2_grpc as v1_grpc
 from dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from hostdev.grpc_socket import GrpcSocketServer
@@ -38,6 +50,7 @@ class KubeletSockets:
         driver: str,
         v1: DraServicerV1,
         v1beta1: DraServicerV1beta1,
+        health: HealthStreams,
         check_interval: float = 0.2,
     ) -> None:
         dra_path = dra_socket_path(kubelet_dir, driver)
@@ -46,6 +59,13 @@ class KubeletSockets:
         def add_dra(server: grpc.Server) -> None:
             v1_grpc.add_DRAPluginServicer_to_server(v1, server)
             v1beta1_grpc.add_DRAPluginServicer_to_server(v1beta1, server)
+            health_v1_grpc.add_DRAResourceHealthServicer_to_server(HealthServicerV1(health), server)
+            health_v1beta1_grpc.add_DRAResourceHealthServicer_to_server(
+                HealthServicerV1beta1(health), server
+            )
+            health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(
+                HealthServicerV1alpha1(health), server
+            )
 
         def add_registration(server: grpc.Server) -> None:
             registration_grpc.add_RegistrationServicer_to_server(self.registration, server)

@@ -1,15 +1,22 @@
-"""The kubelet-facing gRPC services: plugin registration, and DRAPlugin in both versions the
-kubelet may speak. They only convert between protobuf messages and the preparer's values."""
+"""The kubelet-facing gRPC services: plugin registration, DRAPlugin in both versions the kubelet
+may speak, and DRAResourceHealth in all three. They only convert between protobuf messages and the
+preparer's values or the health streams' lists."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import grpc
 
 from dra.claims import ClaimRef
+from dra.health import DeviceHealth
+from dra.health_stream import HealthStreams, TooManyWatchers, build_message
+from dra.healthapi.v1 import api_pb2 as health_v1_pb2
+from dra.healthapi.v1alpha1 import api_pb2 as health_v1alpha1_pb2
+from dra.healthapi.v1beta1 import api_pb2 as health_v1beta1_pb2
 from dra.pluginregistration.v1 import api_pb2 as registration_pb2
 from dra.prepare import ClaimPreparer
 from dra.v1 import api_pb2 as v1_pb2
@@ -19,8 +26,17 @@ from hostdev.untrusted import quote_untrusted
 log = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "DRAPlugin"
-# The kubelet takes the first version it knows, so the newest comes first.
-SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+# The kubelet takes the first DRAPlugin version it knows, so the newest comes first; the health
+# services follow (an older kubelet skips names it does not know) and the kubelet picks the newest
+# of them it speaks: v1 where it can, v1alpha1 on 1.34-1.36 (pkg/kubelet/cm/dra/plugin,
+# pickHealthService).
+DRA_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+HEALTH_VERSIONS = (
+    "v1.DRAResourceHealth",
+    "v1beta1.DRAResourceHealth",
+    "v1alpha1.DRAResourceHealth",
+)
+SUPPORTED_VERSIONS = DRA_VERSIONS + HEALTH_VERSIONS
 
 
 class RegistrationServicer:
@@ -100,6 +116,59 @@ class DraServicerV1(_DraService):
 
 class DraServicerV1beta1(_DraService):
     pb2 = v1beta1_pb2
+
+
+class _HealthService:
+    """NodeWatchResources for one protocol version, whose messages come from `pb2` (the three
+    versions' messages are the same): the current list at once, then every newer one."""
+
+    pb2: ModuleType
+
+    def __init__(self, streams: HealthStreams) -> None:
+        self._streams = streams
+
+    def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            watch = self._streams.open()
+        except TooManyWatchers as error:
+            log.warning("refused a health stream: %s", error)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        # Runs when the stream ends for any reason, the kubelet cancelling it included: wakes the
+        # thread waiting for the next list so that it returns and frees the slot.
+        if not context.add_callback(watch.end):
+            watch.end()
+        try:
+            while (devices := watch.next()) is not None:
+                yield self._response(devices)
+        finally:
+            self._streams.release(watch)
+
+    def _response(self, devices: tuple[DeviceHealth, ...]) -> Any:
+        pool, timeout = self._streams.pool, self._streams.timeout_seconds
+        return self.pb2.NodeWatchResourcesResponse(
+            devices=[
+                self.pb2.DeviceHealth(
+                    device=self.pb2.DeviceIdentifier(pool_name=pool, device_name=d.device),
+                    health=int(d.health),
+                    last_updated_time=int(d.checked_at),
+                    health_check_timeout_seconds=timeout,
+                    message=build_message(d.message),
+                )
+                for d in devices
+            ]
+        )
+
+
+class HealthServicerV1(_HealthService):
+    pb2 = health_v1_pb2
+
+
+class HealthServicerV1beta1(_HealthService):
+    pb2 = health_v1beta1_pb2
+
+
+class HealthServicerV1alpha1(_HealthService):
+    pb2 = health_v1alpha1_pb2
 
 
 def _ref(claim: Any) -> ClaimRef:

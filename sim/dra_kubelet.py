@@ -19,6 +19,17 @@ Behaviours reproduced, from kubernetes/kubernetes (master, 2025):
   refused; calls go to the most recent registration of the driver.
 - pkg/kubelet/cm/dra/plugin/dra_plugin.go: NodePrepareResources/NodeUnprepareResources in the
   chosen version with a 45 s timeout.
+- dra_plugin_manager.go (ResourceHealthStatus on): a registration whose `supported_versions`
+  lists a health service gets NodeWatchResources in the newest one the kubelet speaks
+  (pickHealthService: v1 over v1beta1 over v1alpha1; pass `health_services=("v1alpha1.
+  DRAResourceHealth",)` for a 1.34-1.36 kubelet), on the DRA endpoint, for as long as it is
+  registered: opened again 5 s after it ends or fails (wait.UntilWithContext), not again after
+  UNIMPLEMENTED, cancelled at deregistration (sim.dra_kubelet_health).
+- pkg/kubelet/cm/dra/healthinfo.go: one health cache per driver, keyed "<pool>/<device>"; each
+  response stamps its devices with the time it arrived (the plugin's last_updated_time is kept
+  but not used), a message over 1024 characters is cut to 1021 and "...", a timeout of zero or
+  less means 30 s; a device the response leaves out, or one not heard of within its timeout,
+  reads Unknown (`health(driver)`, `wait_health`).
 - pkg/kubelet/pluginmanager/pluginwatcher/monitor.go (newer kubelets): GetInfo on every
   registered plugin every 10 s (10 s timeout); after 2 failures in a row the plugin is
   deregistered, and its socket, if still there, is probed at the same interval and registered
@@ -45,12 +56,19 @@ from types import ModuleType, TracebackType
 
 import grpc
 
+from dra.healthapi.v1 import api_pb2 as health_v1_pb2
+from dra.healthapi.v1 import api_pb2_grpc as health_v1_grpc
+from dra.healthapi.v1alpha1 import api_pb2 as health_v1alpha1_pb2
+from dra.healthapi.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
+from dra.healthapi.v1beta1 import api_pb2 as health_v1beta1_pb2
+from dra.healthapi.v1beta1 import api_pb2_grpc as health_v1beta1_grpc
 from dra.pluginregistration.v1 import api_pb2 as reg_pb2
 from dra.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from dra.v1 import api_pb2 as v1_pb2
 from dra.v1 import api_pb2_grpc as v1_grpc
 from dra.v1beta1 import api_pb2 as v1beta1_pb2
 from dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from sim.dra_kubelet_health import HealthStream
 from sim.dra_kubelet_records import (
     Claim,
     Deregistration,
@@ -59,13 +77,18 @@ from sim.dra_kubelet_records import (
     PrepareResult,
     Refusal,
     Registration,
+    SeenHealth,
     choose_service,
+    pick_health_service,
+    read_health_response,
     read_prepare_response,
+    reconcile_health,
     scan_registry,
 )
 
 # The records are part of this module's interface: callers import them from here.
 __all__ = [
+    "HEALTH_SERVICES",
     "SERVICES",
     "Claim",
     "DRAKubeletStandIn",
@@ -74,6 +97,7 @@ __all__ = [
     "PreparedDevice",
     "Refusal",
     "Registration",
+    "SeenHealth",
     "choose_service",
 ]
 
@@ -82,6 +106,12 @@ PLUGIN_TYPE = "DRAPlugin"
 SERVICES: dict[str, tuple[ModuleType, ModuleType]] = {
     "v1.DRAPlugin": (v1_pb2, v1_grpc),
     "v1beta1.DRAPlugin": (v1beta1_pb2, v1beta1_grpc),
+}
+# The health services, newest first: the order the kubelet prefers them in.
+HEALTH_SERVICES: dict[str, tuple[ModuleType, ModuleType]] = {
+    "v1.DRAResourceHealth": (health_v1_pb2, health_v1_grpc),
+    "v1beta1.DRAResourceHealth": (health_v1beta1_pb2, health_v1beta1_grpc),
+    "v1alpha1.DRAResourceHealth": (health_v1alpha1_pb2, health_v1alpha1_grpc),
 }
 
 
@@ -92,9 +122,12 @@ class _Live:
     info_channel: grpc.Channel
     dra_channel: grpc.Channel
     stop_polling: threading.Event = field(default_factory=threading.Event)
+    health: HealthStream | None = None
 
     def close(self) -> None:
         self.stop_polling.set()
+        if self.health is not None:
+            self.health.stop()
         self.info_channel.close()
         self.dra_channel.close()
 
@@ -111,6 +144,8 @@ class DRAKubeletStandIn:
         kubelet_dir: Path,
         *,
         services: Iterable[str] = tuple(SERVICES),
+        health_services: Iterable[str] = tuple(HEALTH_SERVICES),
+        health_retry: float = 5.0,
         info_poll_interval: float | None = 10.0,
         poll_timeout: float = 10.0,
         max_poll_failures: int = 2,
@@ -126,6 +161,11 @@ class DRAKubeletStandIn:
         unknown = [s for s in self.services if s not in SERVICES]
         if unknown:
             raise ValueError(f"unknown DRA services {unknown}; known: {list(SERVICES)}")
+        self.health_services = tuple(s for s in HEALTH_SERVICES if s in set(health_services))
+        unknown = sorted(set(health_services) - set(HEALTH_SERVICES))
+        if unknown:
+            raise ValueError(f"unknown health services {unknown}; known: {list(HEALTH_SERVICES)}")
+        self.health_retry = health_retry
         self.registry_dir = kubelet_dir / "plugins_registry"
         self.info_poll_interval = info_poll_interval
         self.poll_timeout = poll_timeout
@@ -142,6 +182,9 @@ class DRAKubeletStandIn:
         self.refusals: list[Refusal] = []
         self.deregistrations: list[Deregistration] = []
         self.failures: list[str] = []  # dial or GetInfo errors before any verdict
+        # (driver, "opened" / "ended" / "failed: <code>", time.monotonic()) of every stream
+        self.health_events: list[tuple[str, str, float]] = []
+        self._health: dict[str, dict[str, SeenHealth]] = {}  # driver -> the kubelet's cache
         self.restarts = 0
         self._changed = threading.Condition()
         self._generation = 0
@@ -222,6 +265,24 @@ class DRAKubeletStandIn:
                     raise TimeoutError(f"{what} within {timeout} s; {self._summary()}")
                 self._changed.wait(min(remaining, 0.1))
         return time.monotonic() - start
+
+    def health(self, driver: str) -> dict[str, SeenHealth]:
+        """The kubelet's health cache for `driver` as it reads it now ("<pool>/<device>" ->
+        health): a device not heard of within its timeout reads Unknown."""
+        with self._changed:
+            now = time.monotonic()
+            return {key: seen.at(now) for key, seen in self._health.get(driver, {}).items()}
+
+    def wait_health(
+        self,
+        driver: str,
+        condition: Callable[[dict[str, SeenHealth]], bool],
+        timeout: float = 5.0,
+        what: str = "health",
+    ) -> dict[str, SeenHealth]:
+        """Wait until `condition` holds for `health(driver)` and return that map."""
+        self.wait_for(lambda: condition(self.health(driver)), timeout, f"{driver}: {what}")
+        return self.health(driver)
 
     def wait_registered(self, driver: str, timeout: float = 5.0, *, count: int = 1) -> Registration:
         """Wait until `driver` is registered now and has been registered `count` times in all
@@ -456,7 +517,13 @@ class DRAKubeletStandIn:
         if self.check_endpoint and not _is_socket(Path(endpoint)):
             raise _Refused(f"endpoint {endpoint} of DRA driver plugin {info.name} is not a socket")
         registration = Registration(
-            info.name, endpoint, path, tuple(info.supported_versions), service, time.monotonic()
+            info.name,
+            endpoint,
+            path,
+            tuple(info.supported_versions),
+            service,
+            time.monotonic(),
+            pick_health_service(info.supported_versions, self.health_services),
         )
         with self._changed:
             if generation != self._generation or self._desired.get(path) != identity:
@@ -469,13 +536,41 @@ class DRAKubeletStandIn:
                     f"endpoint {endpoint} already registered for DRA driver plugin {info.name}"
                 )
             live = _Live(registration, identity, channel, grpc.insecure_channel(f"unix:{endpoint}"))
+            live.health = self._health_stream(registration, live.dra_channel)
             self._live[path] = live
             self._backoff.pop(path, None)
+        if live.health is not None:
+            live.health.start()
         if self.info_poll_interval is not None:
             threading.Thread(
                 target=self._poll, args=(path, live), name="dra-kubelet-poll", daemon=True
             ).start()
         return live
+
+    def _health_stream(
+        self, registration: Registration, channel: grpc.Channel
+    ) -> HealthStream | None:
+        if registration.health_service is None:
+            return None
+        messages, stubs = HEALTH_SERVICES[registration.health_service]
+        driver = registration.driver
+
+        def receive(response: object) -> None:
+            with self._changed:
+                now = time.monotonic()
+                known = self._health.get(driver, {})
+                reported = read_health_response(response, now)
+                self._health[driver] = reconcile_health(known, reported, now)
+                self._changed.notify_all()
+
+        def note(event: str) -> None:
+            with self._changed:
+                self.health_events.append((driver, event, time.monotonic()))
+                self._changed.notify_all()
+
+        return HealthStream(
+            channel, messages, stubs, receive=receive, note=note, retry=self.health_retry
+        )
 
     def _notify(self, channel: grpc.Channel, *, registered: bool, error: str) -> None:
         status = reg_pb2.RegistrationStatus(plugin_registered=registered, error=error)

@@ -1,13 +1,14 @@
 """Plain data and decisions of the DRA kubelet stand-in (`sim.dra_kubelet`): what it records,
-what its calls answer (values, so tests can compare v1 and v1beta1 answers), which service the
-kubelet speaks, and `scan_registry`, its one directory read: which sockets the kubelet counts."""
+what its calls answer (values, so tests can compare v1 and v1beta1 answers), which services the
+kubelet speaks, what it knows of device health, and `scan_registry`, its one directory read:
+which sockets the kubelet counts."""
 
 from __future__ import annotations
 
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,6 +44,7 @@ class Registration:
     supported_versions: tuple[str, ...]
     service: str  # the chosen one, e.g. "v1.DRAPlugin"
     at: float  # time.monotonic()
+    health_service: str | None = None  # the one watched, e.g. "v1.DRAResourceHealth"
 
     @property
     def version(self) -> str:
@@ -95,6 +97,73 @@ def choose_service(offered: Iterable[str], spoken: Iterable[str]) -> str:
         f"none of services supported by the plugin ({offered}) "
         f"are supported by the kubelet ({spoken})"
     )
+
+
+def pick_health_service(offered: Iterable[str], spoken: Iterable[str]) -> str | None:
+    """The newest health service (in the kubelet's order of preference, `spoken`) that the
+    plugin lists anywhere in its supported versions; None: the kubelet watches no health."""
+    offered = set(offered)
+    return next((service for service in spoken if service in offered), None)
+
+
+# pkg/kubelet/cm/dra/healthinfo.go: the default when a device names no timeout of its own.
+DEFAULT_HEALTH_TIMEOUT = 30.0
+# The kubelet's limit on a device's message (dra-health api.proto).
+HEALTH_MESSAGE_LIMIT = 1024
+HEALTH_NAMES = {0: "Unknown", 1: "Healthy", 2: "Unhealthy"}
+
+
+@dataclass(frozen=True)
+class SeenHealth:
+    """One device's health as the kubelet holds it (state.DeviceHealth)."""
+
+    pool: str
+    device: str
+    health: str  # "Healthy", "Unhealthy" or "Unknown", as in the kubelet's state
+    message: str
+    last_updated_time: int  # as the plugin sent it (Unix seconds); the kubelet ignores it
+    timeout: float  # seconds without news after which the kubelet says Unknown
+    received: float  # time.monotonic() when the kubelet last heard of it: its LastUpdated
+
+    def at(self, now: float) -> SeenHealth:
+        """As the kubelet reads it at `now`: Unknown once the timeout passed without news."""
+        if self.health == "Unknown" or now - self.received <= self.timeout:
+            return self
+        return replace(self, health="Unknown")
+
+
+def read_health_response(response: Any, now: float) -> dict[str, SeenHealth]:
+    """A NodeWatchResourcesResponse (any version) as the kubelet reads it, keyed like its cache
+    ("<pool>/<device>"): a longer message cut to 1021 characters and "...", a timeout of zero or
+    less meaning the default."""
+    seen: dict[str, SeenHealth] = {}
+    for device in response.devices:
+        message = device.message
+        if len(message) > HEALTH_MESSAGE_LIMIT:
+            message = message[: HEALTH_MESSAGE_LIMIT - 3] + "..."
+        timeout = device.health_check_timeout_seconds
+        seen[f"{device.device.pool_name}/{device.device.device_name}"] = SeenHealth(
+            pool=device.device.pool_name,
+            device=device.device.device_name,
+            health=HEALTH_NAMES.get(device.health, "Unknown"),
+            message=message,
+            last_updated_time=device.last_updated_time,
+            timeout=float(timeout) if timeout > 0 else DEFAULT_HEALTH_TIMEOUT,
+            received=now,
+        )
+    return seen
+
+
+def reconcile_health(
+    known: dict[str, SeenHealth], reported: dict[str, SeenHealth], now: float
+) -> dict[str, SeenHealth]:
+    """healthinfo.go updateHealthInfo: every reported device as reported; a known one the report
+    leaves out becomes Unknown once its timeout has passed, and is kept until then."""
+    merged = dict(reported)
+    for key, device in known.items():
+        if key not in reported:
+            merged[key] = device.at(now)
+    return merged
 
 
 def read_prepare_response(response: Any, *, with_share_id: bool) -> dict[str, PrepareResult]:

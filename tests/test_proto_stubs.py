@@ -19,6 +19,9 @@ FIX = "run `python proto/generate.py` and commit the result"
 EXPECTED_PROTOS = {
     "deviceplugin/podresources/v1/api.proto",
     "deviceplugin/v1beta1/api.proto",
+    "dra/healthapi/v1/api.proto",
+    "dra/healthapi/v1alpha1/api.proto",
+    "dra/healthapi/v1beta1/api.proto",
     "dra/pluginregistration/v1/api.proto",
     "dra/v1/api.proto",
     "dra/v1beta1/api.proto",

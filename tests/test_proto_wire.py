@@ -2,9 +2,10 @@
 
 The tables below are written out by hand from the upstream .proto files (kubelet device plugin
 v1beta1, kubelet pod resources v1, kubelet plugin registration v1, kubelet DRA v1 and v1beta1 as
-in kubernetes/kubelet 63b3249724f7, KubeVirt hooks info/v1alpha1/v1alpha2/v1alpha3); the tests
-compare the generated descriptors against them, so a renamed, renumbered, retyped, added or
-dropped field, message or method fails here.
+in kubernetes/kubelet 63b3249724f7, kubelet DRA resource health v1alpha1/v1beta1/v1 as in
+kubernetes/kubernetes staging/src/k8s.io/kubelet/pkg/apis/dra-health, KubeVirt hooks
+info/v1alpha1/v1alpha2/v1alpha3); the tests compare the generated descriptors against them, so
+a renamed, renumbered, retyped, added or dropped field, message or method fails here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescript
 
 from deviceplugin.podresources.v1 import api_pb2 as podresources
 from deviceplugin.v1beta1 import api_pb2 as dp
+from dra.healthapi.v1 import api_pb2 as health_v1
+from dra.healthapi.v1alpha1 import api_pb2 as health_v1alpha1
+from dra.healthapi.v1beta1 import api_pb2 as health_v1beta1
 from dra.pluginregistration.v1 import api_pb2 as pluginregistration
 from dra.v1 import api_pb2 as dra_v1
 from dra.v1beta1 import api_pb2 as dra_v1beta1
@@ -36,6 +40,9 @@ PACKAGES = {
     "deviceplugin/v1beta1/api.proto": "deviceplugin.v1beta1",
     "deviceplugin/podresources/v1/api.proto": "deviceplugin.podresources.v1",
     "dra/pluginregistration/v1/api.proto": "dra.pluginregistration.v1",
+    "dra/healthapi/v1alpha1/api.proto": "dra.healthapi.v1alpha1",
+    "dra/healthapi/v1beta1/api.proto": "dra.healthapi.v1beta1",
+    "dra/healthapi/v1/api.proto": "dra.healthapi.v1",
     "dra/v1/api.proto": "dra.v1",
     "dra/v1beta1/api.proto": "dra.v1beta1",
     "launcher_hook/hooks/info/api.proto": "launcher_hook.hooks.info",
@@ -58,6 +65,9 @@ PR = "v1"
 REG = "pluginregistration"
 DRA1 = "k8s.io.kubelet.pkg.apis.dra.v1"
 DRA1B = "k8s.io.kubelet.pkg.apis.dra.v1beta1"
+# The health API's packages are bare versions: v1beta1 shares the device plugin's package and v1
+# the pod resources', with no name in common.
+HEALTH = ("v1alpha1", "v1beta1", "v1")
 INFO = "kubevirt.hooks.info"
 A1, A2, A3 = "kubevirt.hooks.v1alpha1", "kubevirt.hooks.v1alpha2", "kubevirt.hooks.v1alpha3"
 
@@ -113,6 +123,15 @@ METHODS = [
         for pkg in (DRA1, DRA1B)
         for verb in ("NodePrepare", "NodeUnprepare")
     ),
+    *(
+        Method(
+            f"/{pkg}.DRAResourceHealth/NodeWatchResources",
+            f"{pkg}.NodeWatchResourcesRequest",
+            f"{pkg}.NodeWatchResourcesResponse",
+            server_streaming=True,
+        )
+        for pkg in HEALTH
+    ),
     Method(f"/{INFO}.Info/Info", f"{INFO}.InfoParams", f"{INFO}.InfoResult"),
     *(
         Method(
@@ -164,6 +183,7 @@ EMPTY_MESSAGES = {
     f"{PR}.ListPodResourcesRequest",
     f"{REG}.InfoRequest",
     f"{REG}.RegistrationStatusResponse",
+    *(f"{pkg}.NodeWatchResourcesRequest" for pkg in HEALTH),
     f"{INFO}.InfoParams",
     f"{A3}.ShutdownParams",
     f"{A3}.ShutdownResult",
@@ -202,6 +222,21 @@ def _dra_fields(pkg: str, *, share_id: bool) -> list[Field]:
     if share_id:
         fields.append(Field(f"{pkg}.Device", "share_id", 5, "string", optional=True))
     return fields
+
+
+def _health_fields(pkg: str) -> list[Field]:
+    return [
+        Field(f"{pkg}.DeviceIdentifier", "pool_name", 1, "string"),
+        Field(f"{pkg}.DeviceIdentifier", "device_name", 2, "string"),
+        msg(f"{pkg}.DeviceHealth", "device", 1, f"{pkg}.DeviceIdentifier"),
+        Field(f"{pkg}.DeviceHealth", "health", 2, "enum"),
+        Field(f"{pkg}.DeviceHealth", "last_updated_time", 3, "int64"),
+        Field(f"{pkg}.DeviceHealth", "health_check_timeout_seconds", 4, "int64"),
+        Field(f"{pkg}.DeviceHealth", "message", 5, "string"),
+        msg(
+            f"{pkg}.NodeWatchResourcesResponse", "devices", 1, f"{pkg}.DeviceHealth", repeated=True
+        ),
+    ]
 
 
 def _hook_fields(pkg: str, *, cloud_init: bool) -> list[Field]:
@@ -334,6 +369,8 @@ FIELDS = [
     # --- kubelet DRA v1 and v1beta1 ---
     *_dra_fields(DRA1, share_id=True),
     *_dra_fields(DRA1B, share_id=False),
+    # --- kubelet DRA resource health v1alpha1, v1beta1 and v1 ---
+    *(field for pkg in HEALTH for field in _health_fields(pkg)),
     # --- KubeVirt hooks ---
     Field(f"{INFO}.InfoResult", "name", 1, "string"),
     msg(f"{INFO}.InfoResult", "hookPoints", 3, f"{INFO}.HookPoint", repeated=True),
@@ -348,6 +385,7 @@ FIELDS = [
 SCALAR_NAMES = {
     FieldDescriptor.TYPE_BOOL: "bool",
     FieldDescriptor.TYPE_BYTES: "bytes",
+    FieldDescriptor.TYPE_ENUM: "enum",
     FieldDescriptor.TYPE_INT32: "int32",
     FieldDescriptor.TYPE_INT64: "int64",
     FieldDescriptor.TYPE_STRING: "string",
@@ -419,6 +457,9 @@ def test_file_names_and_packages() -> None:
         "dra/pluginregistration/v1/api.proto": REG,
         "dra/v1/api.proto": DRA1,
         "dra/v1beta1/api.proto": DRA1B,
+        "dra/healthapi/v1alpha1/api.proto": "v1alpha1",
+        "dra/healthapi/v1beta1/api.proto": "v1beta1",
+        "dra/healthapi/v1/api.proto": "v1",
         "launcher_hook/hooks/info/api.proto": INFO,
         "launcher_hook/hooks/v1alpha1/api.proto": A1,
         "launcher_hook/hooks/v1alpha2/api.proto": A2,
@@ -690,3 +731,43 @@ def test_dra_unprepare_response_wire_bytes() -> None:
     for module in (dra_v1, dra_v1beta1):
         response = module.NodeUnprepareResourcesResponse.FromString(raw)
         assert {uid: r.error for uid, r in response.claims.items()} == {"u": "", "v": "e"}
+
+
+# --- DRA resource health -----------------------------------------------------------------
+
+HEALTH_MODULES = (health_v1alpha1, health_v1beta1, health_v1)
+
+
+@pytest.mark.parametrize("module", HEALTH_MODULES, ids=HEALTH)
+def test_health_status_enum(module: ModuleType) -> None:
+    enum = module.DESCRIPTOR.enum_types_by_name["HealthStatus"]
+    assert enum.full_name == f"{module.DESCRIPTOR.package}.HealthStatus"
+    assert {v.name: v.number for v in enum.values} == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+    health = module.DeviceHealth.DESCRIPTOR.fields_by_name["health"]
+    assert health.enum_type.full_name == enum.full_name
+
+
+def test_health_types_do_not_clash_with_the_device_plugin_packages() -> None:
+    pool = descriptor_pool.Default()
+    modules("pb2")
+    device_plugin = pool.FindMessageTypeByName(f"{DP}.Device")
+    health = pool.FindMessageTypeByName("v1beta1.DeviceHealth")
+    assert device_plugin.file.name == "deviceplugin/v1beta1/api.proto"
+    assert health.file.name == "dra/healthapi/v1beta1/api.proto"
+    assert pool.FindMessageTypeByName("v1.DeviceHealth").file.name == "dra/healthapi/v1/api.proto"
+
+
+def test_health_response_wire_bytes() -> None:
+    # DeviceHealth: device = 1 (0x0a) {pool_name = 1, device_name = 2 (0x12)}, health = 2
+    # (0x10, varint), last_updated_time = 3 (0x18), health_check_timeout_seconds = 4 (0x20),
+    # message = 5 (0x2a); the response's devices = 1 (0x0a).
+    device = b"\x0a\x06\x0a\x01n\x12\x01d\x10\x02\x18\x0a\x20\x1e\x2a\x02no"
+    raw = b"\x0a" + bytes([len(device)]) + device
+    for module in HEALTH_MODULES:
+        response = module.NodeWatchResourcesResponse.FromString(raw)
+        got = response.devices[0]
+        assert (got.device.pool_name, got.device.device_name) == ("n", "d")
+        assert got.health == module.UNHEALTHY
+        assert (got.last_updated_time, got.health_check_timeout_seconds) == (10, 30)
+        assert got.message == "no"
+        assert response.SerializeToString() == raw

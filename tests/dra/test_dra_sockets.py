@@ -1,5 +1,6 @@
 """The driver's kubelet sockets over real gRPC, against the DRA kubelet stand-in: registration,
-both DRA versions, a kubelet restart survived, nothing left behind on stop."""
+both DRA versions (and the three health versions after them), a kubelet restart survived, nothing
+left behind on stop."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from dra.health_stream import HealthStreams
 from dra.kubelet_sockets import KubeletSockets, dra_socket_path, registration_socket_path
 from dra.pluginregistration.v1 import api_pb2 as reg_pb2
 from dra.pluginregistration.v1 import api_pb2_grpc as reg_grpc
@@ -33,17 +35,26 @@ def kubelet_dir() -> Iterator[Path]:
         yield path / "kubelet"
 
 
+def kubelet_sockets(node: Node, kubelet_dir: Path, check_interval: float = 0.2) -> KubeletSockets:
+    return KubeletSockets(
+        kubelet_dir,
+        DRIVER,
+        DraServicerV1(node.preparer),
+        DraServicerV1beta1(node.preparer),
+        HealthStreams("node-a", timeout_seconds=30),
+        check_interval=check_interval,
+    )
+
+
 @pytest.fixture
 def sockets(node: Node, kubelet_dir: Path) -> Iterator[KubeletSockets]:
-    served = KubeletSockets(
-        kubelet_dir, DRIVER, DraServicerV1(node.preparer), DraServicerV1beta1(node.preparer)
-    )
+    served = kubelet_sockets(node, kubelet_dir)
     served.start()
     yield served
     served.stop()
 
 
-def test_getinfo_names_the_driver_both_versions_and_the_dra_socket(
+def test_getinfo_names_the_driver_its_versions_and_the_dra_socket(
     sockets: KubeletSockets, kubelet_dir: Path
 ) -> None:
     path = registration_socket_path(kubelet_dir, DRIVER)
@@ -54,7 +65,14 @@ def test_getinfo_names_the_driver_both_versions_and_the_dra_socket(
         elapsed = time.monotonic() - start
     assert info.type == "DRAPlugin" and info.name == DRIVER
     assert info.endpoint == str(dra_socket_path(kubelet_dir, DRIVER))
-    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    # The DRAPlugin versions first (the kubelet takes the first it knows), the health after.
+    assert list(info.supported_versions) == [
+        "v1.DRAPlugin",
+        "v1beta1.DRAPlugin",
+        "v1.DRAResourceHealth",
+        "v1beta1.DRAResourceHealth",
+        "v1alpha1.DRAResourceHealth",
+    ]
     assert elapsed < 1.0
 
 
@@ -117,9 +135,7 @@ def test_a_kubelet_restart_is_survived(
 
 
 def test_stop_removes_both_sockets(node: Node, kubelet_dir: Path) -> None:
-    served = KubeletSockets(
-        kubelet_dir, DRIVER, DraServicerV1(node.preparer), DraServicerV1beta1(node.preparer)
-    )
+    served = kubelet_sockets(node, kubelet_dir)
     served.start()
     paths = [dra_socket_path(kubelet_dir, DRIVER), registration_socket_path(kubelet_dir, DRIVER)]
     assert all(p.is_socket() for p in paths)
@@ -131,13 +147,7 @@ def test_stop_removes_both_sockets(node: Node, kubelet_dir: Path) -> None:
 
 @pytest.mark.usefixtures("open_umask")
 def test_socket_directories_are_made_0750_whatever_the_umask(node: Node, kubelet_dir: Path) -> None:
-    served = KubeletSockets(
-        kubelet_dir,
-        DRIVER,
-        DraServicerV1(node.preparer),
-        DraServicerV1beta1(node.preparer),
-        check_interval=0.05,
-    )
+    served = kubelet_sockets(node, kubelet_dir, check_interval=0.05)
     served.start()
     try:
         dra_dir = dra_socket_path(kubelet_dir, DRIVER).parent

@@ -1,0 +1,1 @@
+"""Generated from proto/dra/healthapi; do not edit."""

@@ -1,0 +1,1 @@
+"""Generated from proto/dra/healthapi/v1; do not edit."""

@@ -1,0 +1,1 @@
+"""Generated from proto/dra/healthapi/v1beta1; do not edit."""
