@@ -11,6 +11,7 @@ discovery only checks that they exist.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -279,6 +280,19 @@ def bind_driver(root: Path, bdf: str, driver: str, *, cdev: bool = True) -> None
     driver_dir.mkdir(parents=True, exist_ok=True)
     _Builder._link(device / "driver", driver_dir)
     _Builder._link(driver_dir / bdf, device)
+
+
+def remove_function(root: Path, bdf: str) -> None:
+    """What a surprise removal (a GPU falling off the bus) or `echo 1 > remove` does: the driver
+    lets go as on an unbind, then the function leaves its group and the bus."""
+    device = (root / "sys/bus/pci/devices" / bdf).resolve()
+    if (device / "driver").is_symlink():
+        unbind_driver(root, bdf)
+    group = _group_of(device)
+    if group is not None:
+        (root / "sys/kernel/iommu_groups" / group / "devices" / bdf).unlink()
+    (root / "sys/bus/pci/devices" / bdf).unlink()
+    shutil.rmtree(device)
 
 
 def report_aer_error(root: Path, bdf: str, *, fatal: bool) -> None:
