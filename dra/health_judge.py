@@ -103,9 +103,19 @@ def judge_health(
 def diff_health(
     before: Sequence[DeviceHealth], after: Sequence[DeviceHealth]
 ) -> list[tuple[Health | None, DeviceHealth]]:
-    """The devices whose health changed (or that are new), with their health before."""
-    old = {h.device: h.health for h in before}
-    return [(old.get(h.device), h) for h in after if old.get(h.device) != h.health]
+    """The devices whose health changed (or that are new), or that are still unhealthy for
+    another reason, with their health before."""
+    old = {h.device: h for h in before}
+    changes: list[tuple[Health | None, DeviceHealth]] = []
+    for now in after:
+        was = old.get(now.device)
+        if was is None:
+            changes.append((None, now))
+        elif was.health != now.health or (
+            now.health is Health.UNHEALTHY and was.message != now.message
+        ):
+            changes.append((was.health, now))
+    return changes
 
 
 def same_health(a: Sequence[DeviceHealth], b: Sequence[DeviceHealth]) -> bool:

@@ -132,7 +132,11 @@ CASES = {
         "",
     ),
     "a fatal error, then a re-probe faster than a judgement": (
-        [Step(gpu(), AerCounts(0, 0)), Step(gpu(), AerCounts(1, 0)), Step(gpu(), AerCounts(1, 0), reprobed=True)],
+        [
+            Step(gpu(), AerCounts(0, 0)),
+            Step(gpu(), AerCounts(1, 0)),
+            Step(gpu(), AerCounts(1, 0), reprobed=True),
+        ],
         Health.HEALTHY,
         "",
     ),
