@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from hostdev.aer import FATAL_TOTAL, AerCounts, parse_aer_total, read_aer_counts
