@@ -53,7 +53,7 @@ class DeviceWatch(Generic[T]):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
-        self._sync_watches()
+        self._sync_watches(initial=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -77,7 +77,7 @@ class DeviceWatch(Generic[T]):
             drivers = []
         return [p for p in fixed + drivers if p.is_dir()]
 
-    def _sync_watches(self) -> None:
+    def _sync_watches(self, *, initial: bool = False) -> None:
         watched = set(self._paths.values())
         for path in self._wanted():
             if path in watched:
@@ -88,6 +88,18 @@ class DeviceWatch(Generic[T]):
                 log.warning("cannot watch path=%s error=%r", path, error.strerror or str(error))
                 continue
             self._paths[wd] = path
+            if not initial and path.parent == self._drivers:
+                self._bound_before_watched(path)
+
+    def _bound_before_watched(self, driver: Path) -> None:
+        """A driver directory that appeared after the start: the functions bound to it before
+        its watch was added sent their events to no one."""
+        try:
+            bound = frozenset(Bdf.parse(p.name) for p in driver.iterdir() if is_bdf(p.name))
+        except OSError:
+            return
+        if bound:
+            self._emit(DevicesChanged(bound, f"bound to {driver.name}", reprobed=True))
 
     def _run(self) -> None:
         while not self._stopping.is_set():
