@@ -4,7 +4,8 @@ as in production) on a simulated 8-GPU node, against the API server stand-in. Pr
 - unbind -> UNHEALTHY and bind -> HEALTHY: from the sysfs change to `on_health` handing on the
   list that says so (inotify on the driver links), p50/p99 over 50 each;
 - AER fatal -> UNHEALTHY: from the counter file's change to the list (the counter poll, every
-  `aer_poll_interval`), p50/p99 over 50 (each followed by a re-probe, which clears it);
+  `aer_poll_interval`: at most one interval), p50/p99 over 50, each at a random moment and
+  followed by a re-probe, which clears it;
 - idle CPU of the driver process (all its threads) over 10 s with nothing happening, with the
   counter poll at 50 ms and with it off, in % of one core.
 Run: `python -m bench.dra_health` (on a shared machine, under `nice`).
@@ -124,7 +125,10 @@ def main() -> None:
                 up.append(
                     timed(lambda: bind_driver(root, GPU, "vfio-pci"), watcher, Health.HEALTHY)
                 )
-            for _ in range(RUNS):
+            for run in range(RUNS):
+                # Each event has the counters read at once, and the next reading is one
+                # interval later: errors come at any time, so spread them over an interval.
+                time.sleep(0.1 + (run % 10) * 0.005)
                 fatal.append(
                     timed(
                         lambda: report_aer_error(root, GPU, fatal=True), watcher, Health.UNHEALTHY
