@@ -75,7 +75,13 @@ class DriverSettings:
 
 
 class DraDriver:
-    """Built without touching the host or the API server; `start` recovers, reads and serves."""
+    """Built without touching the host or the API server; `start` recovers, reads and serves.
+
+    `on_health` is called from the event thread with every device's health (the published
+    devices, then prepared ones gone from the bus): at start, after every reading of the host
+    (events and each re-scan, so at least every `rescan_interval`), and whenever a counter
+    reading changes a verdict. It must return quickly; `device_health` holds the last list.
+    """
 
     def __init__(
         self,
