@@ -204,15 +204,15 @@ class OnDemandBinder:
     def holds(self, claim_uid: str) -> bool:
         return self._read(claim_uid) is not None
 
-    def journaled(self) -> dict[Bdf, str]:
+    def journaled(self, phase: Phase | None = None) -> dict[Bdf, str]:
         """Every function a journal entry names (moved or asked for), with the UID of the claim
         it is on VFIO, or on its way there or back, for. A claim whose give-back failed is no
         longer prepared but still has its entry: its functions sit on VFIO, and no other claim
         may be handed them, or the next start would take them back from under it. Unreadable
-        entries are left to `recover`, which names them."""
+        entries are left to `recover`, which names them. `phase` keeps only entries in it."""
         found: dict[Bdf, str] = {}
         for _, entry in self._entries():
-            if isinstance(entry, JournalEntry):
+            if isinstance(entry, JournalEntry) and phase in (None, entry.phase):
                 for bdf in (*(m.bdf for m in entry.moved), *(entry.requested or ())):
                     found.setdefault(bdf, entry.claim_uid)
         return found

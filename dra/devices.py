@@ -1,16 +1,18 @@
 """Which PCI functions the DRA driver publishes, and what each looks like to the scheduler.
 
 A pure function of the host inventory and the node configuration the device plugin also reads:
-the same selectors pick the same functions. A function is published only while a VM could be
-given it now (on a VFIO driver, its IOMMU group viable, its device nodes present); one that
-turns unusable leaves the slice, so the scheduler never places a claim on it.
+the same selectors pick the same functions. A function is first published once a VM could be
+given it (on a VFIO driver, its IOMMU group viable, its device nodes present; or on its host
+driver, to be bound on demand). Once published it stays while the function is on the bus and
+its ids still match, marked `unusable` with the reason when it turns unusable: the health stream
+and the slice's taint say so, instead of the device vanishing under a running VM.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -58,6 +60,9 @@ class DraDevice:
     nodes_pending: bool = False
     """On VFIO, but some of its device nodes are not there yet (udev is still making them)."""
     reset_after_use: bool = False
+    unusable: str = ""
+    """Why a VM could not be given it now (published before, kept while it is on the bus);
+    empty when it could. NodePrepare refuses it with this reason."""
 
 
 def device_name(bdf: Bdf) -> str:
@@ -75,18 +80,59 @@ def bdf_of_device(name: str) -> Bdf | None:
 
 
 def build_devices(
-    inventory: HostInventory, config: PluginConfig, names: PciIds
+    inventory: HostInventory,
+    config: PluginConfig,
+    names: PciIds,
+    previous: Mapping[Bdf, DraDevice] | None = None,
 ) -> tuple[DraDevice, ...]:
-    """Every function the configuration selects that a VM could be given now, in address order."""
-    judged = (judge_function(f, inventory, config, names) for f in inventory.functions)
-    return tuple(sorted((d for d in judged if isinstance(d, DraDevice)), key=lambda d: d.bdf))
+    """Every function the configuration selects that a VM could be given now, and every one of
+    the `previous` devices still on the bus and still selected that no longer could (marked
+    `unusable`), in address order."""
+    before = previous or {}
+    devices: list[DraDevice] = []
+    for function in inventory.functions:
+        known = before.get(function.bdf)
+        judged = judge_function(
+            function, inventory, config, names, known.resource if known else None
+        )
+        if isinstance(judged, DraDevice):
+            devices.append(judged)
+        elif known is not None and _still_selected(function, config, names, known.resource):
+            devices.append(_unusable(known, function, judged))
+    return tuple(sorted(devices, key=lambda d: d.bdf))
+
+
+def _still_selected(
+    function: PciFunction, config: PluginConfig, names: PciIds, resource: str
+) -> bool:
+    chosen = resource_for(function, config.resources, names, resource)
+    return chosen is not None and chosen[0] == resource
+
+
+def _unusable(known: DraDevice, function: PciFunction, reason: str) -> DraDevice:
+    """The device as published before, with no device nodes to hand out, its driver as it is
+    now, and why a VM cannot be given it."""
+    attributes = dict(known.attributes) | {"currentDriver": function.driver or ""}
+    return replace(
+        known,
+        attributes=MappingProxyType(attributes),
+        device_nodes=(),
+        bind_on_demand=False,
+        nodes_pending=False,
+        unusable=reason,
+    )
 
 
 def judge_function(
-    function: PciFunction, inventory: HostInventory, config: PluginConfig, names: PciIds
+    function: PciFunction,
+    inventory: HostInventory,
+    config: PluginConfig,
+    names: PciIds,
+    previous_resource: str | None = None,
 ) -> DraDevice | str:
-    """The function as a published device, or why it is not one."""
-    chosen = resource_for(function, config.resources, names)
+    """The function as a published device, or why it is not one; `previous_resource` is the
+    resource it was published in, which it stays in while its ids match (see `resource_for`)."""
+    chosen = resource_for(function, config.resources, names, previous_resource)
     group = inventory.group_of(function)
     caps = inventory.capabilities
     if (

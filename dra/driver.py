@@ -2,9 +2,15 @@
 and the preparer behind them, started and stopped together.
 
 The host is read once at start. On a node, kernel uevents (bind, unbind, hot-plug) make the
-named functions be read again at once; the whole host is re-read every `rescan_interval`
-seconds for anything else, and the claimed functions are read again whenever a claim is
-prepared, so a claim never gets a device on the strength of an old reading.
+named functions be read again at once, and inotify does the same for the device nodes under
+/dev (and, on simulated trees, for the driver links); the whole host is re-read every
+`rescan_interval` seconds for anything else, and the claimed functions are read again whenever a
+claim is prepared, so a claim never gets a device on the strength of an old reading.
+
+After each reading the one event thread judges every published device's health
+(dra.health_judge) and hands the complete list to the kubelet's health stream (dra.health_stream),
+to the publisher, which taints the unhealthy devices' slice entries, and to `on_health`; the PCIe
+error counters, which send no event, it reads every `aer_poll_interval` seconds in between.
 """
 
 from __future__ import annotations
@@ -13,12 +19,17 @@ import logging
 import math
 import queue
 import threading
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dra.api import ResourceApi
 from dra.binding import OnDemandBinder
+from dra.claims import ClaimRef
 from dra.devices import DraDevice
+from dra.health import DeviceHealth, Health
+from dra.health_judge import HealthState, HostSignals, diff_health, judge_health, same_health
 from dra.health_stream import HealthStreams
 from dra.host_cache import HostCache
 from dra.kubelet_sockets import KubeletSockets
@@ -28,9 +39,12 @@ from dra.publisher import SlicePublisher
 from dra.servicer import DraServicerV1, DraServicerV1beta1
 from dra.slices import TaintEffect
 from dra.state import RECORDS_MODE, ClaimStore
+from hostdev.aer import AerCounts, read_aer_counts
+from hostdev.bdf import Bdf
 from hostdev.binding.bind import HostAccess
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
+from hostdev.device_watch import DeviceWatch
 from hostdev.directories import make_private_directory
 from hostdev.errors import HostdevError
 from hostdev.labels.node_labels import build_node_labels
@@ -42,6 +56,9 @@ log = logging.getLogger(__name__)
 # virt-launcher pod, where KubeVirt reads them as uid 107: those directories may be read and
 # passed through by all, and written by root alone.
 READABLE_MODE = 0o755
+
+OnHealth = Callable[[tuple[DeviceHealth, ...]], None]
+Event = DevicesChanged | ClaimsChanged | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +75,19 @@ class DriverSettings:
     """Holds the host's /lib/modules and modprobe, for binding devices on demand."""
     unhealthy_taint_effect: TaintEffect = TaintEffect.NO_SCHEDULE
     """What the taint on an unhealthy device's slice entry does to claims and their pods."""
+    aer_poll_interval: float = 0.05
+    """Seconds between readings of the published devices' PCIe error counters (two small sysfs
+    files each), which send no event; 0 reads them only with the host."""
 
 
 class DraDriver:
-    """Built without touching the host or the API server; `start` recovers, reads and serves."""
+    """Built without touching the host or the API server; `start` recovers, reads and serves.
+
+    `on_health` is called from the event thread with every device's health (the published
+    devices, then prepared ones gone from the bus): at start, after every reading of the host
+    (events and each re-scan, so at least every `rescan_interval`), and whenever a counter
+    reading changes a verdict. It must return quickly; `device_health` holds the last list.
+    """
 
     def __init__(
         self,
@@ -71,9 +97,13 @@ class DraDriver:
         api: ResourceApi,
         *,
         labels: LabelPublisher | None = None,
+        on_health: OnHealth | None = None,
     ) -> None:
         self.settings = settings
         self._labels = labels
+        self._on_health = on_health
+        self._health = HealthState()
+        self._aer: dict[Bdf, AerCounts | None] = {}
         self.host = HostCache(settings.root, config, names)
         self.store = ClaimStore(settings.state_dir)
         self._paths = Paths(settings.cdi_dir, settings.state_dir / "metadata")
@@ -83,7 +113,7 @@ class DraDriver:
         )
         # Host events, claims prepared or forgotten, and the stop mark, all read by one thread:
         # it alone publishes, so what it publishes follows what is held in order.
-        self._events: queue.SimpleQueue[DevicesChanged | ClaimsChanged | None] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.preparer = ClaimPreparer(
             settings.driver,
             settings.node,
@@ -115,6 +145,7 @@ class DraDriver:
             self.health,
         )
         self._udev = UdevWatch(self._events.put) if settings.watch_udev else None
+        self._watch = DeviceWatch[DevicesChanged](settings.root, self._events.put)
         self._events_thread = threading.Thread(
             target=self._event_loop, name="dra-events", daemon=True
         )
@@ -123,14 +154,21 @@ class DraDriver:
     def devices(self) -> tuple[DraDevice, ...]:
         return self._published()
 
+    @property
+    def device_health(self) -> tuple[DeviceHealth, ...]:
+        """The last judgement: every published device, then prepared ones gone from the bus."""
+        return self._health.health
+
     def start(self) -> None:
         """Recover and read the host, then serve the kubelet (GetInfo must answer at once), then
         publish in the background."""
         self.recover()
-        self.publisher.update(self.devices)
+        # Judged before the first publication: a device found unusable is tainted from the start.
+        self._judge(self.devices, frozenset(), report=True)
         self.sockets.start()
         self.publisher.start()
         self._publish_labels(self.devices)
+        self._watch.start()
         self._events_thread.start()
         if self._udev is not None:
             self._udev.start()
@@ -164,6 +202,7 @@ class DraDriver:
     def stop(self) -> None:
         if self._udev is not None:
             self._udev.stop()
+        self._watch.stop()
         self._events.put(None)
         # Before the sockets: each stream then ends with OK instead of being cut off.
         self.health.close()
@@ -184,46 +223,152 @@ class DraDriver:
             return
         counts: dict[str, int] = {}
         for device in devices:
+            if device.unusable:
+                continue
             counts[device.resource] = counts.get(device.resource, 0) + int(
                 device.attributes.get("iommufd") is True
             )
         self._labels.publish(build_node_labels(capabilities, counts))
 
     def _published(self) -> tuple[DraDevice, ...]:
-        """What to publish: every usable device, less the group companions of prepared ones (a
-        group goes to one VM; the prepared device itself stays, allocated to its claim)."""
+        """What to publish: every device the host cache keeps, less the group companions of
+        prepared ones (a group goes to one VM; the prepared device itself stays, allocated to
+        its claim)."""
         groups, functions = self.store.held()
-        return tuple(d for d in self.host.usable if d.group not in groups or d.bdf in functions)
+        return tuple(d for d in self.host.devices if d.group not in groups or d.bdf in functions)
 
     def _event_loop(self) -> None:
+        interval = self.settings.rescan_interval
+        poll = self.settings.aer_poll_interval
+        next_rescan = time.monotonic() + interval
         while True:
-            try:
-                first = self._events.get(timeout=self.settings.rescan_interval)
-            except queue.Empty:
-                first = DevicesChanged(frozenset(), "periodic re-scan", rescan=True)
-            # Take what else is queued: a bind is a burst of uevents.
-            batch = [first]
-            while batch[-1] is not None:
-                try:
-                    batch.append(self._events.get_nowait())
-                except queue.Empty:
-                    break
-            if batch[-1] is None:
+            wait = next_rescan - time.monotonic()
+            batch = _take(self._events, max(0.0, min(wait, poll) if poll > 0 else wait))
+            if batch and batch[-1] is None:
                 return
-            host = [e for e in batch if isinstance(e, DevicesChanged)]
-            try:
-                if host:
-                    # No functions named: only the device nodes are looked at again.
-                    self.host.scan(
-                        None
-                        if any(e.rescan for e in host)
-                        else frozenset().union(*(e.bdfs for e in host))
-                    )
-                # After a prepare only which group companions are hidden can change: a filter
-                # over the devices already built; the publisher writes in the background.
-                devices = self._published()
-                self.publisher.update(devices)
-                if host:
-                    self._publish_labels(devices)
-            except HostdevError as error:
-                log.error("re-reading the host failed: %s", error)
+            if time.monotonic() >= next_rescan:
+                batch.append(DevicesChanged(frozenset(), "periodic re-scan", rescan=True))
+                next_rescan = time.monotonic() + interval
+            if batch:
+                self._handle(batch)
+            else:
+                self._poll_counters()
+
+    def _handle(self, batch: list[Event]) -> None:
+        host = [e for e in batch if isinstance(e, DevicesChanged)]
+        try:
+            if host:
+                # No functions named: only the device nodes are looked at again.
+                self.host.scan(
+                    None
+                    if any(e.rescan for e in host)
+                    else frozenset().union(*(e.bdfs for e in host))
+                )
+            # After a prepare only which group companions are hidden can change: a filter
+            # over the devices already built. They are published with their health (below).
+            devices = self._published()
+            if host:
+                self._publish_labels(devices)
+        except HostdevError as error:
+            log.error("re-reading the host failed: %s", error)
+            return
+        reprobed = frozenset().union(*(e.bdfs for e in host if e.reprobed))
+        self._judge(devices, reprobed, report=True)
+
+    def _poll_counters(self) -> None:
+        """Between events: read the counters again, and judge when they moved or a device's
+        nodes are still being made (its judgement changes with time alone)."""
+        devices = self._published()
+        before = self._aer
+        if self._read_counters(devices) != before or self._health.pending():
+            self._judge(devices, frozenset(), report=False)
+
+    def _read_counters(self, devices: Iterable[DraDevice]) -> dict[Bdf, AerCounts | None]:
+        before = self._aer
+        self._aer = {d.bdf: read_aer_counts(self.settings.root, d.bdf) for d in devices}
+        for bdf, counts in self._aer.items():
+            old = before.get(bdf)
+            if counts is not None and old is not None and counts.nonfatal > old.nonfatal:
+                log.warning(
+                    "%s: %d new non-fatal PCIe errors (AER, %d in all); the device stays usable",
+                    bdf,
+                    counts.nonfatal - old.nonfatal,
+                    counts.nonfatal,
+                )
+        return self._aer
+
+    def _judge(
+        self, devices: tuple[DraDevice, ...], reprobed: frozenset[Bdf], *, report: bool
+    ) -> None:
+        """Judge every published device's health, log each change once and hand the list on:
+        always after a reading of the host, after a counter reading only when it changed."""
+        if report:
+            self._read_counters(devices)
+        claims = {
+            d.bdf: str(ClaimRef(c.namespace, c.name, c.uid)) for c in self.store for d in c.devices
+        }
+        prepared = {d.bdf: d.device for c in self.store for d in c.devices}
+        on_bus = self.host.on_bus(prepared)
+        gone = {name: claims[bdf] for bdf, name in prepared.items() if bdf not in on_bus}
+        needs_journal = any(d.bind_on_demand and d.bdf in claims for d in devices)
+        signals = HostSignals(
+            aer=self._aer,
+            claims=claims,
+            gone=gone,
+            bound_for_claims=frozenset(self.binder.journaled("bound"))
+            if needs_journal
+            else frozenset(),
+            reprobed=reprobed,
+        )
+        before = self._health.health
+        self._health = judge_health(self._health, devices, signals, time.time())
+        bdfs = {d.name: d.bdf for d in devices} | {n: b for b, n in prepared.items()}
+        for old, new in diff_health(before, self._health.health):
+            if old is not None or new.health is not Health.HEALTHY:
+                _log_change(old, new, bdfs.get(new.device), claims)
+        if not report and same_health(before, self._health.health):
+            return
+        # After every reading even when nothing changed: the kubelet takes a device whose health
+        # no list repeated within the timeout for Unknown. The publisher writes in the background.
+        self.health.update(self._health.health)
+        self.publisher.update(devices, self._health.health)
+        if self._on_health is None:
+            return
+        try:
+            self._on_health(self._health.health)
+        except Exception:
+            log.exception("handing on the devices' health failed")
+
+
+def _take(events: queue.SimpleQueue[Event], timeout: float) -> list[Event]:
+    """What is queued, waiting up to `timeout` for the first: a bind is a burst of events. Empty
+    when nothing came; ends with None when the driver stops."""
+    try:
+        batch = [events.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while batch[-1] is not None:
+        try:
+            batch.append(events.get_nowait())
+        except queue.Empty:
+            break
+    return batch
+
+
+def _log_change(
+    old: Health | None, new: DeviceHealth, bdf: Bdf | None, claims: dict[Bdf, str]
+) -> None:
+    claim = claims.get(bdf) if bdf is not None else None
+    held = ""
+    if claim is not None and new.health is Health.UNHEALTHY:
+        held = f"; {claim} stays prepared on it (its VM decides what to do)"
+    log.log(
+        logging.WARNING if new.health is Health.UNHEALTHY else logging.INFO,
+        "device %s (%s) health %s -> %s: %s%s",
+        new.device,
+        bdf,
+        old.name if old is not None else "new",
+        new.health.name,
+        new.message or "usable",
+        held,
+    )

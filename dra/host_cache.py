@@ -1,5 +1,5 @@
-"""The host as the DRA driver last read it: the inventory, the devices a VM could be given from
-it, and a fresh judgement of named functions for a claim.
+"""The host as the DRA driver last read it: the inventory, the devices published from it, and a
+fresh judgement of named functions for a claim.
 
 The driver's event thread reads the host again on uevents and every re-scan interval; the
 preparer reads the functions a claim names (with their groups) again before deciding, so a
@@ -29,22 +29,31 @@ class HostCache:
         self._lock = threading.Lock()
         self._inventory: HostInventory | None = None
         """None until the host is first read: nothing is published before that."""
-        self._usable: tuple[DraDevice, ...] = ()
+        self._devices: tuple[DraDevice, ...] = ()
 
     @property
-    def usable(self) -> tuple[DraDevice, ...]:
-        """Every device a VM could be given, as of the last reading of the host."""
+    def devices(self) -> tuple[DraDevice, ...]:
+        """Every device to publish as of the last reading of the host: those a VM could be
+        given, and those published before that no longer could (`unusable`)."""
         with self._lock:
-            return self._usable
+            return self._devices
 
     @property
     def capabilities(self) -> HostCapabilities | None:
         with self._lock:
             return None if self._inventory is None else self._inventory.capabilities
 
+    def on_bus(self, bdfs: Iterable[Bdf]) -> frozenset[Bdf]:
+        """Which of `bdfs` the host had at its last reading."""
+        with self._lock:
+            inventory = self._inventory
+        if inventory is None:
+            return frozenset()
+        return frozenset(b for b in bdfs if inventory.function(b) is not None)
+
     def scan(self, changed: frozenset[Bdf] | None = None) -> None:
         """Read the `changed` functions (with their groups), or the whole host, again and work
-        out the usable devices anew."""
+        out the devices to publish anew."""
         with self._lock:
             if changed is None or self._inventory is None:
                 self._inventory = scan_host(self._root)
@@ -52,12 +61,14 @@ class HostCache:
                 self._inventory = refresh_host(
                     self._root, self._inventory, _with_groups(self._inventory, changed)
                 )
-            self._usable = build_devices(self._inventory, self._config, self._names)
+            self._devices = build_devices(
+                self._inventory, self._config, self._names, {d.bdf: d for d in self._devices}
+            )
 
     def judge_now(self, bdfs: Iterable[Bdf]) -> Mapping[Bdf, DraDevice | str]:
         """Read the named functions (and their groups) again and judge each as a published
-        device, or say why it is not one. The usable devices are left as they were: the next
-        scan publishes what changed."""
+        device, or say why it is not one. The published devices are left as they were: the
+        next scan publishes what changed."""
         wanted = set(bdfs)
         with self._lock:
             if self._inventory is None:

@@ -174,6 +174,8 @@ def _device_for(
     if other is not None and other != ref.uid:
         return _bound_for_another(ref, item, bdf, other)
     device = judged.get(bdf, GONE)
+    if isinstance(device, DraDevice) and device.unusable:
+        device = device.unusable
     if isinstance(device, str):
         return Refusal(
             f"{ref}: device {item.device} ({bdf}) cannot be given to a VM: {device};"

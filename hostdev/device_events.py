@@ -17,6 +17,7 @@ from hostdev.bdf import Bdf, is_bdf
 
 log = logging.getLogger(__name__)
 POLL_MS = 250
+_PROBES = frozenset({"add", "remove", "bind", "unbind"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,9 @@ class DevicesChanged:
     bdfs: frozenset[Bdf]
     reason: str
     rescan: bool = False
+    reprobed: bool = False
+    """The named functions were bound, unbound, added or removed: whatever a reading shows, they
+    went through their drivers' probe or remove since the last one."""
 
 
 EmitDevices = Callable[[DevicesChanged], None]
@@ -70,6 +74,8 @@ class UdevWatch:
             action = device.action or "change"
             self._emit(
                 DevicesChanged(
-                    frozenset({Bdf.parse(device.sys_name)}), f"{device.sys_name} {action}"
+                    frozenset({Bdf.parse(device.sys_name)}),
+                    f"{device.sys_name} {action}",
+                    reprobed=action in _PROBES,
                 )
             )

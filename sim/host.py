@@ -11,10 +11,12 @@ discovery only checks that they exist.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hostdev.aer import FATAL_FILE, FATAL_TOTAL, NONFATAL_FILE, NONFATAL_TOTAL
 from hostdev.bdf import Bdf
 from hostdev.model import is_vfio_driver
 
@@ -51,6 +53,8 @@ class FunctionSpec:
     reset_methods: tuple[str, ...] = ("flr", "bus")
     """Written to `reset_method`; empty: a device the kernel cannot reset (no `reset_method`
     and no `reset` entry, as the kernel hides both then)."""
+    aer: bool = True
+    """AER-capable: the kernel gives it `aer_dev_fatal` and `aer_dev_nonfatal` counters."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +171,9 @@ class _Builder:
             attributes["sriov_numvfs"] = str(spec.sriov_num)
         for name, value in attributes.items():
             (path / name).write_text(value + "\n")
+        if spec.aer:
+            _write_aer(path, FATAL_FILE, {})
+            _write_aer(path, NONFATAL_FILE, {})
         self._link(self.sys / "bus/pci/devices" / spec.bdf, path)
         if spec.driver is not None:
             driver_dir = self.sys / "bus/pci/drivers" / spec.driver
@@ -273,6 +280,68 @@ def bind_driver(root: Path, bdf: str, driver: str, *, cdev: bool = True) -> None
     driver_dir.mkdir(parents=True, exist_ok=True)
     _Builder._link(device / "driver", driver_dir)
     _Builder._link(driver_dir / bdf, device)
+
+
+def remove_function(root: Path, bdf: str) -> None:
+    """What a surprise removal (a GPU falling off the bus) or `echo 1 > remove` does: the driver
+    lets go as on an unbind, then the function leaves its group and the bus."""
+    device = (root / "sys/bus/pci/devices" / bdf).resolve()
+    if (device / "driver").is_symlink():
+        unbind_driver(root, bdf)
+    group = _group_of(device)
+    if group is not None:
+        (root / "sys/kernel/iommu_groups" / group / "devices" / bdf).unlink()
+    (root / "sys/bus/pci/devices" / bdf).unlink()
+    shutil.rmtree(device)
+
+
+def report_aer_error(root: Path, bdf: str, *, fatal: bool) -> None:
+    """What the kernel's AER handler does when the device reports an uncorrectable error: one
+    more of a kind (a completion timeout, the commonest on GPUs) and of the total."""
+    device = root / "sys/bus/pci/devices" / bdf
+    name = FATAL_FILE if fatal else NONFATAL_FILE
+    counts = _read_aer(device / name)
+    counts[_AER_KIND] = counts.get(_AER_KIND, 0) + 1
+    _write_aer(device, name, counts)
+
+
+# The kernel's uncorrectable error names (drivers/pci/pcie/aer.c), in its order.
+_AER_KINDS = (
+    "Undefined",
+    "Data Link Protocol",
+    "Surprise Down Error",
+    "Poisoned TLP",
+    "Flow Control Protocol",
+    "Completion Timeout",
+    "Completer Abort",
+    "Unexpected Completion",
+    "Receiver Overflow",
+    "Malformed TLP",
+    "ECRC",
+    "Unsupported Request",
+    "ACS Violation",
+)
+_AER_KIND = "Completion Timeout"
+
+
+def _read_aer(path: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        name, _, count = line.rpartition(" ")
+        if name in _AER_KINDS:
+            counts[name] = int(count)
+    return counts
+
+
+def _write_aer(device: Path, name: str, counts: dict[str, int]) -> None:
+    """The file as the kernel prints it: every kind, then the total; written whole and renamed
+    in, so a reader never sees half of it (the kernel's read is atomic too)."""
+    total = FATAL_TOTAL if name == FATAL_FILE else NONFATAL_TOTAL
+    lines = [f"{kind} {counts.get(kind, 0)}" for kind in _AER_KINDS]
+    lines.append(f"{total} {sum(counts.values())}")
+    staged = device / f".{name}.new"
+    staged.write_text("\n".join(lines) + "\n")
+    staged.replace(device / name)
 
 
 def _group_of(device: Path) -> str | None:

@@ -12,7 +12,7 @@ from hostdev.bdf import Bdf
 from hostdev.config import PluginConfig, ResourceConfig, Selectors, default_config
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
-from sim.host import unbind_driver
+from sim.host import remove_function, unbind_driver
 
 ScenarioRoot = Callable[[str], Path]
 H100 = "nvidia.com/GH100H100_SXM5_80GB"
@@ -129,3 +129,26 @@ def test_attribute_types_follow_python_types() -> None:
         "b": {"int": 3},
         "c": {"string": "x"},
     }
+
+
+def test_a_published_device_stays_while_on_the_bus_marked_unusable(
+    scenario_root: ScenarioRoot, names: PciIds
+) -> None:
+    root = scenario_root("hgx-h100")
+    config = default_config()
+    before = build_devices(scan_host(root), config, names)
+    unbind_driver(root, "0000:2a:00.0")
+    remove_function(root, "0000:3a:00.0")
+    after = build_devices(scan_host(root), config, names, {d.bdf: d for d in before})
+    by_name = {d.name: d for d in after}
+    assert "pci-0000-3a-00-0" not in by_name and len(after) == 7
+    unbound = by_name["pci-0000-2a-00-0"]
+    assert unbound.unusable == "bound to no driver: bind it to vfio-pci to assign it"
+    assert unbound.device_nodes == () and unbound.attributes["currentDriver"] == ""
+    assert unbound.resource == H100 and unbound.group == before[1].group
+    assert all(not d.unusable for n, d in by_name.items() if n != "pci-0000-2a-00-0")
+    # Never published before: an unusable function is not published at all.
+    assert "pci-0000-2a-00-0" not in {d.name for d in build_devices(scan_host(root), config, names)}
+    # No longer selected by its ids: it leaves the slice.
+    others = PluginConfig(resources=(ResourceConfig(Selectors(vendors=(0x8086,))),))
+    assert build_devices(scan_host(root), others, names, {d.bdf: d for d in after}) == ()

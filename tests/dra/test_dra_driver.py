@@ -80,6 +80,13 @@ def published(apiserver: ApiServerStandIn) -> dict[str, dict[str, object]]:
     return {d["name"]: d for s in newest for d in s["spec"]["devices"]}
 
 
+def current_driver(apiserver: ApiServerStandIn, device: str) -> object:
+    """The device's currentDriver attribute as published; None when it is not published."""
+    attributes = published(apiserver).get(device, {}).get("attributes", {})
+    assert isinstance(attributes, dict)
+    return attributes.get("currentDriver", {}).get("string")
+
+
 def test_slices_are_published_owned_by_the_node(running: Running) -> None:
     assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 8)
     (item,) = running.apiserver.slices(NODE, DRIVER)
@@ -90,13 +97,15 @@ def test_slices_are_published_owned_by_the_node(running: Running) -> None:
     assert item["spec"]["nodeName"] == NODE and item["spec"]["driver"] == DRIVER
 
 
-def test_an_unbound_device_leaves_the_slice_and_the_generation_moves(running: Running) -> None:
+def test_an_unbound_device_stays_in_the_slice_and_the_generation_moves(running: Running) -> None:
+    """Once published, a device stays while it is on the bus: its health (and its taint) say
+    that it cannot be used, instead of it vanishing under a running VM."""
     assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 8)
     unbind_driver(running.root, "0000:2a:00.0")
     assert running.apiserver.wait_until(
-        lambda: "pci-0000-2a-00-0" not in published(running.apiserver), timeout=5
+        lambda: current_driver(running.apiserver, "pci-0000-2a-00-0") == "", timeout=5
     )
-    assert len(published(running.apiserver)) == 7
+    assert len(published(running.apiserver)) == 8
     (item,) = running.apiserver.slices(NODE, DRIVER)
     assert item["spec"]["pool"]["generation"] == 2
 
@@ -119,11 +128,7 @@ def test_an_unreachable_api_server_is_retried_while_grpc_keeps_serving(running: 
     time.sleep(1.0)
     running.apiserver.restart()
     assert running.apiserver.wait_until(
-        lambda: (
-            set(published(running.apiserver))
-            == {f"pci-0000-{bus}-00-0" for bus in ("18", "3a", "5d", "9a", "ab", "ba", "db")}
-        ),
-        timeout=10,
+        lambda: current_driver(running.apiserver, "pci-0000-2a-00-0") == "", timeout=10
     )
 
 
@@ -182,7 +187,9 @@ def test_an_update_that_meets_a_conflict_is_planned_again(running: Running) -> N
     assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 8)
     running.apiserver.conflict_next_update(2)
     unbind_driver(running.root, "0000:2a:00.0")
-    assert running.apiserver.wait_until(lambda: len(published(running.apiserver)) == 7, timeout=5)
+    assert running.apiserver.wait_until(
+        lambda: current_driver(running.apiserver, "pci-0000-2a-00-0") == "", timeout=5
+    )
     # The request log is written after the answer is sent: wait for it too.
     assert running.apiserver.wait_until(
         lambda: (

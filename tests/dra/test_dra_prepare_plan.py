@@ -97,6 +97,13 @@ def plan(
         ),
         (
             allocation(("gpu", GPU_A)),
+            {GPU_A: replace(on_vfio(GPU_A, 7), unusable="group 7 not viable: x is bound to y")},
+            (),
+            True,
+            "(0000:18:00.0) cannot be given to a VM: group 7 not viable: x is bound to y;",
+        ),
+        (
+            allocation(("gpu", GPU_A)),
             {GPU_A: on_vfio(GPU_A, 7)},
             (prepared("uid-2", "other", GPU_A, 7),),
             True,
@@ -118,7 +125,15 @@ def plan(
             "devices 0000:3b:00.0 are not on VFIO",
         ),
     ],
-    ids=["foreign-name", "gone", "unusable", "taken", "group-taken", "no-binder"],
+    ids=[
+        "foreign-name",
+        "gone",
+        "unusable",
+        "published-unusable",
+        "taken",
+        "group-taken",
+        "no-binder",
+    ],
 )
 def test_refusals_name_the_claim_the_device_and_why(
     wanted: ClaimAllocation,

@@ -1,0 +1,192 @@
+"""Each published device's health, judged from the devices as last built from the host, their
+PCIe error counters and the prepared claims. Pure: the judge's memory of the last judgement goes
+in and comes out as a value (`HealthState`); the driver's event thread holds it.
+
+What makes a device UNHEALTHY, the same signals the device plugin follows:
+- it cannot be given to a VM any more (`DraDevice.unusable`: unbound from VFIO, its IOMMU group
+  no longer viable, its VFIO nodes all gone);
+- some of its VFIO nodes went away after they had all been there, or udev has not made them
+  `NODES_GRACE` seconds after the device came on VFIO (until then it is only being made);
+- it was bound to VFIO for a prepared claim and is off VFIO again;
+- a new fatal PCIe error (AER) since the device was last (re)bound to a driver;
+- it is gone from the PCI bus while a claim on it is still prepared.
+A device on its host driver waiting for an on-demand claim is healthy; so is one with non-fatal
+PCIe errors (they are named in its message).
+
+A fatal error stays until the device is reset. What shows a reset: the device is re-probed,
+which is what recovering from a fatal error takes (the kernel's own AER recovery resets the link
+but does not clear our doubt). We see a re-probe as its driver changing between two judgements,
+as an unbind or bind event for it (an unbind and bind again faster than we judge), or as its
+counters going down (removed and rescanned: the kernel counts anew for a new device). A bare
+`echo 1 > reset` (hostdev/binding/reset.py's reset after use) sends no event and leaves the
+counters as they were, so it is not taken as one: our reset-after-use runs on the give-back,
+which moves the device to its host driver — a driver change — anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dra.devices import DraDevice
+from dra.health import DeviceHealth, Health
+from hostdev.aer import AerCounts
+from hostdev.bdf import Bdf
+
+NODES_GRACE = 2.0
+"""Seconds udev may take to make a device's nodes once it is on VFIO before that is a fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tracked:
+    """What the judge remembers of one device between judgements."""
+
+    driver: str
+    fatal_baseline: int | None
+    """TOTAL_ERR_FATAL when the device was last (re)bound; None without AER counters."""
+    nodes_seen: bool
+    """All its VFIO nodes were there since it came on its current driver."""
+    pending_since: float | None
+    """When its nodes were first seen missing while none had been seen yet."""
+
+
+@dataclass(frozen=True, slots=True)
+class HealthState:
+    health: tuple[DeviceHealth, ...] = ()
+    tracked: Mapping[str, Tracked] = field(default_factory=dict)
+
+    def pending(self) -> bool:
+        """Whether a device waits for its nodes: the judgement changes with time alone."""
+        return any(t.pending_since is not None for t in self.tracked.values())
+
+
+@dataclass(frozen=True, slots=True)
+class HostSignals:
+    """What the judge reads besides the devices, as the driver's event thread last saw it."""
+
+    aer: Mapping[Bdf, AerCounts | None] = field(default_factory=dict)
+    claims: Mapping[Bdf, str] = field(default_factory=dict)
+    """The prepared claim holding each function, as log and message name it."""
+    gone: Mapping[str, str] = field(default_factory=dict)
+    """Devices of prepared claims no longer on the bus, by name, with their claim."""
+    bound_for_claims: frozenset[Bdf] = frozenset()
+    """Functions the driver bound to VFIO for a prepared claim (and has not begun giving back)."""
+    reprobed: frozenset[Bdf] = frozenset()
+    """Functions an unbind or bind event named since the last judgement."""
+
+
+def judge_health(
+    state: HealthState, devices: Sequence[DraDevice], signals: HostSignals, now: float
+) -> HealthState:
+    """Every published device's health, then every prepared device gone from the bus."""
+    health: list[DeviceHealth] = []
+    tracked: dict[str, Tracked] = {}
+    for device in devices:
+        seen = _track(state.tracked.get(device.name), device, signals, now)
+        tracked[device.name] = seen
+        verdict, message = _judge(device, seen, signals, now)
+        health.append(DeviceHealth(device.name, verdict, message, now))
+    for name, claim in sorted(signals.gone.items()):
+        if name not in tracked:
+            health.append(
+                DeviceHealth(
+                    name,
+                    Health.UNHEALTHY,
+                    f"gone from the PCI bus while {claim} is prepared on it: its VM has lost"
+                    " the device; delete the VM's pod so that the claim is unprepared",
+                    now,
+                )
+            )
+    return HealthState(tuple(health), tracked)
+
+
+def diff_health(
+    before: Sequence[DeviceHealth], after: Sequence[DeviceHealth]
+) -> list[tuple[Health | None, DeviceHealth]]:
+    """The devices whose health changed (or that are new), or that are still unhealthy for
+    another reason, with their health before."""
+    old = {h.device: h for h in before}
+    changes: list[tuple[Health | None, DeviceHealth]] = []
+    for now in after:
+        was = old.get(now.device)
+        if was is None:
+            changes.append((None, now))
+        elif was.health != now.health or (
+            now.health is Health.UNHEALTHY and was.message != now.message
+        ):
+            changes.append((was.health, now))
+    return changes
+
+
+def same_health(a: Sequence[DeviceHealth], b: Sequence[DeviceHealth]) -> bool:
+    """Equal but for when each was checked."""
+    return [(h.device, h.health, h.message) for h in a] == [
+        (h.device, h.health, h.message) for h in b
+    ]
+
+
+def _track(before: Tracked | None, device: DraDevice, signals: HostSignals, now: float) -> Tracked:
+    driver = str(device.attributes.get("currentDriver", ""))
+    counts = signals.aer.get(device.bdf)
+    fatal = counts.fatal if counts is not None else None
+    if before is None or before.driver != driver or device.bdf in signals.reprobed:
+        return _first_seen(device, driver, fatal, now)
+    baseline = before.fatal_baseline
+    if baseline is None or (fatal is not None and fatal < baseline):
+        baseline = fatal
+    if device.unusable or device.bind_on_demand:
+        return Tracked(driver, baseline, nodes_seen=False, pending_since=None)
+    if not device.nodes_pending:
+        return Tracked(driver, baseline, nodes_seen=True, pending_since=None)
+    if before.nodes_seen:
+        return Tracked(driver, baseline, nodes_seen=True, pending_since=None)
+    return Tracked(driver, baseline, nodes_seen=False, pending_since=before.pending_since or now)
+
+
+def _first_seen(device: DraDevice, driver: str, fatal: int | None, now: float) -> Tracked:
+    """A device new to the judge, or (re)bound since it last looked: its counters as they are
+    now are its baseline, and nodes it lacks may still be being made."""
+    on_vfio = not device.unusable and not device.bind_on_demand
+    pending = on_vfio and device.nodes_pending
+    return Tracked(
+        driver, fatal, nodes_seen=on_vfio and not pending, pending_since=now if pending else None
+    )
+
+
+def _judge(
+    device: DraDevice, seen: Tracked, signals: HostSignals, now: float
+) -> tuple[Health, str]:
+    if device.unusable:
+        return Health.UNHEALTHY, f"cannot be given to a VM: {device.unusable}"
+    claim = signals.claims.get(device.bdf)
+    if device.bind_on_demand and claim is not None and device.bdf in signals.bound_for_claims:
+        return Health.UNHEALTHY, (
+            f"bound to VFIO for {claim}, now on {seen.driver or 'no driver'}: its VM has lost"
+            " the device; delete the VM's pod so that the claim is unprepared"
+        )
+    nodes = f"its VFIO cdev or group node /dev/vfio/{device.group} is missing"
+    if device.nodes_pending and seen.nodes_seen:
+        return Health.UNHEALTHY, (
+            f"{nodes}, after it was there: something removed it; unbind the device and bind"
+            " it to vfio-pci again to have it made anew"
+        )
+    if seen.pending_since is not None and now - seen.pending_since > NODES_GRACE:
+        return Health.UNHEALTHY, (
+            f"{nodes} {now - seen.pending_since:.0f} s after it was bound to"
+            f" {seen.driver}: check that udev runs and makes /dev/vfio nodes"
+        )
+    counts = signals.aer.get(device.bdf)
+    if counts is not None and seen.fatal_baseline is not None:
+        new = counts.fatal - seen.fatal_baseline
+        if new > 0:
+            return Health.UNHEALTHY, (
+                f"{new} fatal PCIe error{'s' if new > 1 else ''} (AER) since it was bound"
+                f" to {seen.driver or 'no driver'}: reset it once no VM uses it (unbind it and"
+                " bind it again, or remove it and rescan the PCI bus)"
+            )
+    notes = []
+    if seen.pending_since is not None:
+        notes.append("udev is making its VFIO nodes")
+    if counts is not None and counts.nonfatal:
+        notes.append(f"{counts.nonfatal} non-fatal PCIe errors (AER) so far")
+    return Health.HEALTHY, "; ".join(notes)
