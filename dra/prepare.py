@@ -14,7 +14,8 @@ import logging
 import re
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ from dra.prepare_plan import (
     plan_prepare,
     same_allocation,
 )
+from dra.serialize_lock import SerializeLock
 from dra.state import ClaimStore, PreparedClaim, StateError
 from hostdev.atomic_file import write_file_atomically
 from hostdev.bdf import Bdf
@@ -74,6 +76,7 @@ class ClaimPreparer:
         *,
         changes: ChangeSink | None = None,
         binder: OnDemandBinder | None = None,
+        serialize: SerializeLock | None = None,
     ) -> None:
         self._driver = driver
         self._pool = pool
@@ -89,6 +92,9 @@ class ClaimPreparer:
         # One claim at a time: two claims racing for one device must not both see it free. It
         # is never held over a call to the API server, so NodeUnprepare never waits on one.
         self._lock = threading.Lock()
+        self._serialize = serialize
+        """The same across every instance of the driver on the node (a rolling update runs two):
+        held, with the records read again, wherever `_lock` is held for the claims' state."""
         self._reading: dict[str, int] = {}
         """Claim GETs under way, by claim UID."""
         self._withdrawn: dict[str, int] = {}
@@ -122,9 +128,26 @@ class ClaimPreparer:
                 answers[ref.uid] = message
         return answers
 
+    def recover(self) -> list[str]:
+        """Start-up recovery (OnDemandBinder.recover) over the prepared claims on disk, under the
+        serialize lock: a living instance binds and gives back only while holding it, so an
+        entry found half-done here is a dead run's, never a bind the other instance is doing."""
+        with self._serialized():
+            if self._binder is None:
+                return []
+            return self._binder.recover(c.uid for c in self._store)
+
+    @contextmanager
+    def _serialized(self) -> Iterator[None]:
+        """The in-process lock, then the node's serialize lock, then the records as they are on
+        disk now (another instance may have prepared or unprepared since)."""
+        with self._lock, self._serialize.hold() if self._serialize else nullcontext():
+            self._store.refresh()
+            yield
+
     def _prepare_one(self, ref: ClaimRef) -> PreparedClaim:
         _check_ref(ref)
-        with self._lock:
+        with self._serialized():
             known = self._store.get(ref.uid)
             if known is not None and self._still_prepared(known):
                 return known
@@ -146,7 +169,7 @@ class ClaimPreparer:
                 " not prepared; the kubelet asks again if a pod still needs it"
             )
         allocation = parse_allocation(claim, ref, self._driver, self._pool)
-        with self._lock:
+        with self._serialized():
             # Looked at again: while the answer came, another call may have prepared this claim
             # (a kubelet retry) or taken its devices for another.
             known = self._store.get(ref.uid)
@@ -263,7 +286,7 @@ class ClaimPreparer:
 
     def _unprepare_one(self, ref: ClaimRef) -> None:
         _check_ref(ref)
-        with self._lock:
+        with self._serialized():
             if ref.uid in self._reading:
                 self._withdrawn[ref.uid] = self._withdrawn.get(ref.uid, 0) + 1
             known = self._store.get(ref.uid)
