@@ -16,7 +16,12 @@ Behaviours reproduced, from kubernetes/kubernetes (master, 2025):
 - pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go: the chosen service is the first entry of the
   plugin's `supported_versions` that the kubelet speaks; an empty list, or one without a service
   the kubelet speaks, is refused; a second registration with the same driver and endpoint is
-  refused; calls go to the most recent registration of the driver.
+  refused (`add`: one instance cannot hijack another's endpoint), one with another endpoint is
+  kept beside the first (two instances during a rolling update, 1.33 and later); calls go to the
+  most recent registration of the driver (`get`), and to the one before once that one's
+  registration socket is gone (`remove`). Only when the driver's last registration goes is its
+  ResourceSlices' wipe scheduled, after `wipe_delay` (`sync`: the kubelet's is 30 s), and a
+  registration before then cancels it; `wipe`, when given, does the wiping.
 - pkg/kubelet/cm/dra/plugin/dra_plugin.go: NodePrepareResources/NodeUnprepareResources in the
   chosen version with a 45 s timeout.
 - pkg/kubelet/pluginmanager/pluginwatcher/monitor.go (newer kubelets): GetInfo on every
@@ -121,6 +126,8 @@ class DRAKubeletStandIn:
         dial_timeout: float = 10.0,
         info_timeout: float = 1.0,
         call_timeout: float = 45.0,
+        wipe: Callable[[str], None] | None = None,
+        wipe_delay: float = 30.0,
     ) -> None:
         self.services = tuple(services)
         unknown = [s for s in self.services if s not in SERVICES]
@@ -137,11 +144,14 @@ class DRAKubeletStandIn:
         self.dial_timeout = dial_timeout
         self.info_timeout = info_timeout
         self.call_timeout = call_timeout
+        self.wipe = wipe
+        self.wipe_delay = wipe_delay
         # History, kept across restarts, for the tests to inspect.
         self.registrations: list[Registration] = []
         self.refusals: list[Refusal] = []
         self.deregistrations: list[Deregistration] = []
         self.failures: list[str] = []  # dial or GetInfo errors before any verdict
+        self.wipes: list[str] = []  # drivers whose slices were wiped, in order
         self.restarts = 0
         self._changed = threading.Condition()
         self._generation = 0
@@ -152,6 +162,7 @@ class DRAKubeletStandIn:
         self._live: dict[Path, _Live] = {}
         self._pending: set[Path] = set()
         self._backoff: dict[Path, tuple[float, float]] = {}  # next attempt, last delay
+        self._wipes_due: dict[str, float] = {}  # driver -> when its slices are wiped
 
     # Lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -172,6 +183,7 @@ class DRAKubeletStandIn:
             self._running = False
             live, self._live = list(self._live.values()), {}
             self._desired, self._silent, self._backoff = {}, {}, {}
+            self._wipes_due = {}
             self._changed.notify_all()
         if self._scanner is not None:
             self._scanner.join()
@@ -319,8 +331,18 @@ class DRAKubeletStandIn:
     def _deregister(self, path: Path, reason: str) -> _Live:
         plugin = self._live.pop(path)
         self.deregistrations.append(Deregistration(plugin.registration, reason, time.monotonic()))
+        driver = plugin.registration.driver
+        if self._current(driver) is None:
+            self._wipes_due.setdefault(driver, time.monotonic() + self.wipe_delay)
         self._changed.notify_all()
         return plugin
+
+    def _due_wipes(self, now: float) -> list[str]:
+        due = [d for d, at in self._wipes_due.items() if at <= now]
+        for driver in due:
+            del self._wipes_due[driver]
+            self.wipes.append(driver)
+        return due
 
     def _scan_loop(self, generation: int) -> None:
         """The plugin watcher and the reconciler: runs without the lock held between passes."""
@@ -331,8 +353,12 @@ class DRAKubeletStandIn:
                 if generation != self._generation:
                     return
                 closing = self._reconcile(found, generation)
+                wiping = self._due_wipes(time.monotonic())
             for plugin in closing:
                 plugin.close()
+            if self.wipe is not None:
+                for driver in wiping:
+                    self.wipe(driver)
             time.sleep(self.scan_interval)
 
     def _reconcile(self, found: dict[Path, Identity], generation: int) -> list[_Live]:
@@ -471,6 +497,7 @@ class DRAKubeletStandIn:
             live = _Live(registration, identity, channel, grpc.insecure_channel(f"unix:{endpoint}"))
             self._live[path] = live
             self._backoff.pop(path, None)
+            self._wipes_due.pop(info.name, None)
         if self.info_poll_interval is not None:
             threading.Thread(
                 target=self._poll, args=(path, live), name="dra-kubelet-poll", daemon=True
