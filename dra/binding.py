@@ -242,16 +242,25 @@ class OnDemandBinder:
         return found
 
     # Start-up --------------------------------------------------------------------------------
-    def recover(self, prepared: Iterable[str]) -> list[str]:
+    def recover(self, prepared: Iterable[str], *, others_only: bool = False) -> list[str]:
         """Put back what a bind or give-back interrupted, or what a claim no longer prepared
-        still holds; keep what prepared claims hold. Returns what was done, one line each."""
+        still holds; keep what prepared claims hold. Returns what was done, one line each.
+
+        With `others_only`, only entries another instance of the driver wrote (one killed
+        during a rolling update): the caller holds the serialize lock, under which alone a
+        living instance binds and gives back, so an entry of another's found unfinished is a
+        dead run's. Entries that name no writer (written by a driver from before this was
+        recorded, which took no serialize lock) and our own are left to the next start."""
         keep = set(prepared)
         done: list[str] = []
         for path, entry in self._entries():
             if not isinstance(entry, JournalEntry):
-                done.append(f"unreadable binding journal {path}: {entry}; left for a person")
+                if not others_only:
+                    done.append(f"unreadable binding journal {path}: {entry}; left for a person")
                 continue
             if entry.phase == "bound" and entry.claim_uid in keep:
+                continue
+            if others_only and (entry.writer is None or entry.writer == self._writer):
                 continue
             why = _WHY[entry.phase]
             if entry.writer is not None:

@@ -140,9 +140,15 @@ class ClaimPreparer:
     @contextmanager
     def _serialized(self) -> Iterator[None]:
         """The in-process lock, then the node's serialize lock, then the records as they are on
-        disk now (another instance may have prepared or unprepared since)."""
+        disk now (another instance may have prepared or unprepared since), and whatever another
+        instance killed in a bind or a give-back left half-done put back (a rolling update's old
+        pod, killed: the new one must not wait for its own restart to free those devices)."""
         with self._lock, self._serialize.hold() if self._serialize else nullcontext():
             self._store.refresh()
+            if self._serialize is not None and self._binder is not None:
+                prepared = [c.uid for c in self._store]
+                for line in self._binder.recover(prepared, others_only=True):
+                    log.warning("recovery after another instance of the driver: %s", line)
             yield
 
     def _prepare_one(self, ref: ClaimRef) -> PreparedClaim:
