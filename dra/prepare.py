@@ -95,12 +95,6 @@ class ClaimPreparer:
         self._serialize = serialize
         """The same across every instance of the driver on the node (a rolling update runs two):
         held, with the records read again, wherever `_lock` is held for the claims' state."""
-        self._reading: dict[str, int] = {}
-        """Claim GETs under way, by claim UID."""
-        self._withdrawn: dict[str, int] = {}
-        """By claim UID, how many NodeUnprepares came while GETs of it were under way: a
-        prepare whose GET began before one must not go on, or it would bind and record a claim
-        the kubelet has already let go of, and nothing would ever unprepare it."""
 
     def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PreparedClaim | str]:
         answers: dict[str, PreparedClaim | str] = {}
@@ -157,25 +151,18 @@ class ClaimPreparer:
             known = self._store.get(ref.uid)
             if known is not None and self._still_prepared(known):
                 return known
-            withdrawn_before = self._withdrawn.get(ref.uid, 0)
-            self._reading[ref.uid] = self._reading.get(ref.uid, 0) + 1
+            unprepared = self._store.unprepared_mark(ref.uid)
         # The API server is asked without the lock: a slow answer holds up this claim only.
-        try:
-            claim = self._claims.read_claim(ref.namespace, ref.name)
-        finally:
-            with self._lock:
-                withdrawn = self._withdrawn.get(ref.uid, 0) != withdrawn_before
-                self._reading[ref.uid] -= 1
-                if not self._reading[ref.uid]:
-                    del self._reading[ref.uid]
-                    self._withdrawn.pop(ref.uid, None)
-        if withdrawn:
-            raise ClaimError(
-                f"{ref}: unprepared while its claim was being read from the API server, so it is"
-                " not prepared; the kubelet asks again if a pod still needs it"
-            )
+        claim = self._claims.read_claim(ref.namespace, ref.name)
         allocation = parse_allocation(claim, ref, self._driver, self._pool)
         with self._serialized():
+            if self._store.unprepared_mark(ref.uid) != unprepared:
+                # Unprepared meanwhile, by this instance or the other: going on would bind and
+                # record a claim the kubelet has let go of, which nothing would ever unprepare.
+                raise ClaimError(
+                    f"{ref}: unprepared while its claim was being read from the API server, so"
+                    " it is not prepared; the kubelet asks again if a pod still needs it"
+                )
             # Looked at again: while the answer came, another call may have prepared this claim
             # (a kubelet retry) or taken its devices for another.
             known = self._store.get(ref.uid)
@@ -293,8 +280,7 @@ class ClaimPreparer:
     def _unprepare_one(self, ref: ClaimRef) -> None:
         _check_ref(ref)
         with self._serialized():
-            if ref.uid in self._reading:
-                self._withdrawn[ref.uid] = self._withdrawn.get(ref.uid, 0) + 1
+            self._store.mark_unprepared(ref.uid)
             known = self._store.get(ref.uid)
             # The files have fixed names, so a claim whose record was never written (a crash
             # between writing and recording) is still cleaned up.

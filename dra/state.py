@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ STATE_VERSION = 1
 # Claim records and binding journals are root's alone: nobody else reads them, and nobody else may
 # plant a file or a symbolic link among them.
 RECORDS_MODE = 0o700
+_MARKS_KEPT_SECONDS = 3600.0
 # What a record's field holds when the record has no such key (JSON null is None).
 _MISSING = object()
 
@@ -168,6 +170,7 @@ class ClaimStore:
 
     def __init__(self, state_dir: Path) -> None:
         self._dir = state_dir / "claims"
+        self._unprepared = state_dir / "unprepared"
         self._claims: dict[str, PreparedClaim] = {}
         self._seen: dict[str, _Stamp] = {}
         """Record file name -> its stamp when last read, or written by us."""
@@ -249,6 +252,33 @@ class ClaimStore:
                 raise StateError(f"cannot remove {path}: {error.strerror}") from error
             self._claims.pop(uid, None)
             self._seen.pop(path.name, None)
+
+    def mark_unprepared(self, uid: str) -> None:
+        """Note that the kubelet let go of a claim, for a prepare of it in any instance whose
+        read of the claim from the API server is under way (`unprepared_mark` changes): that
+        prepare must not go on. Marks older than an hour, far longer than any read may take, are
+        removed."""
+        try:
+            write_file_atomically(self._unprepared / uid, b"", 0o600, directory_mode=RECORDS_MODE)
+            cutoff = time.time() - _MARKS_KEPT_SECONDS
+            for mark in self._unprepared.iterdir():
+                if mark.lstat().st_mtime < cutoff:
+                    mark.unlink(missing_ok=True)
+        except OSError as error:
+            raise StateError(
+                f"cannot mark {uid} unprepared in {self._unprepared}: {error.strerror}"
+            ) from error
+
+    def unprepared_mark(self, uid: str) -> tuple[int, int] | None:
+        """Changes whenever the claim is unprepared (a new file each time: its inode differs
+        from the one it replaced, whatever the clock's granularity)."""
+        try:
+            info = (self._unprepared / uid).lstat()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise StateError(f"cannot read {self._unprepared / uid}: {error.strerror}") from error
+        return info.st_ino, info.st_mtime_ns
 
     def follow(self, changed: Callable[[], None], stop: threading.Event, interval: float) -> None:
         """Until `stop`, refresh every `interval` seconds and call `changed` when another

@@ -329,6 +329,45 @@ def test_both_publish_the_same_pool_and_settle(node: Node) -> None:
     assert [d["name"] for d in published["spec"]["devices"]] == [GPU_DEVICE]
 
 
+def test_an_unprepare_on_one_stops_a_prepare_whose_read_is_under_way_on_the_other(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet gave up on a slow NodePrepare at the new instance and, the pod gone,
+    unprepares at the old one (the new one's registration went away meanwhile, say) while the
+    claim GET is still under way: the prepare must not then bind and record the claim."""
+    node.driver(OLD)
+    node.kubelet.wait_registered(DRIVER)
+    node.driver(NEW)
+    node.kubelet.wait_registered(DRIVER, count=2)
+    claim = node.claim("vm-a")
+    inside, go = threading.Event(), threading.Event()
+    serve = node.apiserver.take_failure
+
+    def held(method: str, path: str) -> object:
+        if method == "GET" and path.endswith("/resourceclaims/vm-a"):
+            inside.set()
+            go.wait(30)
+        return serve(method, path)
+
+    monkeypatch.setattr(node.apiserver, "take_failure", held)
+    with ThreadPoolExecutor(1) as pool:
+        preparing = pool.submit(prepare_on, node.dra_path(NEW), claim)
+        assert inside.wait(10), "the new instance never asked for the claim"
+        with grpc.insecure_channel(f"unix:{node.dra_path(OLD)}") as channel:
+            request = v1_pb2.NodeUnprepareResourcesRequest(
+                claims=[v1_pb2.Claim(namespace=claim.namespace, uid=claim.uid, name=claim.name)]
+            )
+            unprepared = v1_grpc.DRAPluginStub(channel).NodeUnprepareResources(request, timeout=30)
+        assert unprepared.claims[claim.uid].error == ""
+        go.set()
+        answer = preparing.result(timeout=30)
+    assert "unprepared while its claim was being read" in answer
+    assert node.drivers() == BEFORE and node.records() == [] and node.journal() == []
+    # A later prepare (the kubelet's, for a pod that still needs it) goes through.
+    monkeypatch.undo()
+    assert node.kubelet.node_prepare_resources([claim])[claim.uid].error == ""
+
+
 # Start-up recovery beside a living instance -------------------------------------------------
 
 
