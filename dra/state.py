@@ -2,7 +2,11 @@
 
 A claim is recorded after its CDI spec and metadata are written and before the kubelet hears it
 is prepared, so a retried call, or one after a restart of ours, gets the same answer and finds
-the same devices taken; it is forgotten only after its files are gone.
+the same devices taken; it is forgotten only after its files are gone. The files, not the memory,
+are the truth: during a rolling update the other instance of the driver prepares and unprepares in
+the same directory (`ClaimStore.refresh`), and marks each claim it unprepares
+(`<state_dir>/unprepared/<uid>`), so a prepare of that claim in either instance that was already
+reading it from the API server stops.
 """
 
 from __future__ import annotations

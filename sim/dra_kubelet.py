@@ -34,7 +34,10 @@ Behaviours reproduced, from kubernetes/kubernetes (master, 2025):
 Deliberate differences: the directory is polled (every 20 ms) instead of watched with inotify,
 a new socket at an old path is told apart by inode and ctime; and `check_endpoint` (on by
 default) refuses a plugin whose endpoint is not a socket yet, where the kubelet would accept it
-and fail the first call. Pass `check_endpoint=False` for the kubelet's exact behaviour.
+and fail the first call. Pass `check_endpoint=False` for the kubelet's exact behaviour. Of two
+registrations the kubelet prefers the newest whose gRPC connection is up; the stand-in does not
+follow connections and takes the newest, so a test stops an instance the way a pod does
+(removing its registration socket).
 """
 
 from __future__ import annotations

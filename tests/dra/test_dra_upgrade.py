@@ -196,6 +196,49 @@ def test_a_dra_socket_too_long_falls_back_to_a_hash_of_the_uid() -> None:
     assert len(os.fsencode(path)) <= 107
 
 
+def test_the_command_takes_its_instance_from_the_pods_uid(
+    scenario_root: Callable[[str], Path], apiserver: ApiServerStandIn
+) -> None:
+    """`kubevirt-iommufd dra` in a pod with POD_UID (the DaemonSet's downward API) serves under
+    that pod's names, and removes them when stopped."""
+    apiserver.put_node(NODE)
+    with short_directory() as base:
+        kubelet_dir = base / "kubelet"
+        argv = [
+            sys.executable, "-m", "kubevirt_iommufd", "dra", "--node-name", NODE,
+            "--root", str(scenario_root("hgx-h100")), "--kubelet-dir", str(kubelet_dir),
+            "--cdi-dir", str(base / "cdi"), "--state-dir", str(base / "state"),
+            "--kubeconfig", str(apiserver.write_kubeconfig(base / "kubeconfig")),
+        ]  # fmt: skip
+        env = {**os.environ, "POD_UID": OLD}
+        process = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            with DRAKubeletStandIn(kubelet_dir, info_poll_interval=None) as kubelet:
+                registration = kubelet.wait_registered(DRIVER, timeout=20)
+                assert registration.socket_path == registration_socket_path(
+                    kubelet_dir, DRIVER, OLD
+                )
+                assert registration.endpoint == str(dra_socket_path(kubelet_dir, DRIVER, OLD))
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=20)
+        finally:
+            process.kill()
+        assert process.returncode == 0, stderr
+        assert not list((kubelet_dir / "plugins_registry").iterdir())
+        assert not dra_socket_path(kubelet_dir, DRIVER, OLD).exists()
+
+
+def test_an_instance_uid_that_is_no_pod_uid_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kubevirt_iommufd", "dra", "--node-name", "a",
+         "--state-dir", str(tmp_path / "state")],
+        env={**os.environ, "POD_UID": "../../etc"},
+        capture_output=True, text=True, timeout=60, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--instance-uid '../../etc': expected a pod UID" in done.stderr
+
+
 # Two instances through the kubelet ------------------------------------------------------------
 
 
