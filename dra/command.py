@@ -103,10 +103,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     dra.add_argument(
         "--instance-uid",
-        default=os.environ.get("POD_UID", ""),
+        default=os.environ.get("POD_UID") or None,
         metavar="UID",
         help="this pod's UID, so that the old and the new pod of a rolling update serve side by"
-        " side under names of their own (default: $POD_UID; empty: the node's only instance)",
+        " side under names of their own (default: $POD_UID; none: the node's only instance)",
     )
     add_label_arguments(dra, "dra")
     dra.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         rescan_interval=args.rescan_interval,
         watch_udev=args.root == Path("/"),
         host_root=args.host_root,
-        instance_uid=args.instance_uid,
+        instance_uid=args.instance_uid or "",
     )
     stopping = threading.Event()
 
