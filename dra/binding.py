@@ -8,13 +8,17 @@ and override it had. The entry says `binding` until the bind is done and checked
 the claim holds the devices, `releasing` from just before the first write of giving them back,
 and is removed once they are back. A driver killed anywhere in a bind or a give-back, or a node
 that rebooted, finds the entries at start-up and puts every function exactly where its entry
-says (hostdev.binding.give_back), saying what it did.
+says (hostdev.binding.give_back), saying what it did. Each entry names the instance of the driver
+(pod UID, pid) that wrote it, for the log: during a rolling update two instances share the
+journal, and recovery runs only under their serialize lock (dra.serialize_lock), so it never
+meets a bind the other, living instance is in the middle of.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -62,6 +66,18 @@ class Moved:
 
 
 @dataclass(frozen=True, slots=True)
+class Writer:
+    """The instance of the driver that wrote a journal entry."""
+
+    pid: int
+    instance: str
+    """Its pod's UID; empty for a driver run as the node's only instance."""
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} of instance {self.instance}" if self.instance else f"pid {self.pid}"
+
+
+@dataclass(frozen=True, slots=True)
 class JournalEntry:
     claim_uid: str
     phase: Phase
@@ -69,6 +85,8 @@ class JournalEntry:
     reset_after_use: bool
     requested: tuple[Bdf, ...] | None = None
     """The functions the claim asked for; None in entries written before it was recorded."""
+    writer: Writer | None = None
+    """None in entries written before it was recorded."""
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -81,6 +99,8 @@ class JournalEntry:
         }
         if self.requested is not None:
             data["requested"] = [str(b) for b in self.requested]
+        if self.writer is not None:
+            data["writtenBy"] = {"pid": self.writer.pid, "instance": self.writer.instance}
         return data
 
     @classmethod
@@ -112,6 +132,7 @@ class JournalEntry:
             moved=tuple(_moved_from_json(item, index) for index, item in enumerate(moved)),
             reset_after_use=reset_after_use,
             requested=None if requested is None else tuple(Bdf.parse(b) for b in requested),
+            writer=_writer_from_json(data.get("writtenBy")),
         )
 
     def asks_for(self, bdfs: Iterable[Bdf]) -> bool:
@@ -130,8 +151,10 @@ class OnDemandBinder:
         *,
         lock_wait: float = LOCK_WAIT_SECONDS,
         nodes_wait: float = NODES_WAIT_SECONDS,
+        instance: str = "",
     ) -> None:
         self._access = access
+        self._writer = Writer(os.getpid(), instance)
         self._dir = journal_dir
         self._lock_wait = lock_wait
         self._nodes_wait = nodes_wait
@@ -161,6 +184,7 @@ class OnDemandBinder:
                 _merged(earlier, planned.plan.moves),
                 reset_after_use,
                 tuple(bdfs),
+                self._writer,
             )
             # Durable before the first write: a crash from here on is undone at start-up.
             self._record(entry)
@@ -218,18 +242,29 @@ class OnDemandBinder:
         return found
 
     # Start-up --------------------------------------------------------------------------------
-    def recover(self, prepared: Iterable[str]) -> list[str]:
+    def recover(self, prepared: Iterable[str], *, others_only: bool = False) -> list[str]:
         """Put back what a bind or give-back interrupted, or what a claim no longer prepared
-        still holds; keep what prepared claims hold. Returns what was done, one line each."""
+        still holds; keep what prepared claims hold. Returns what was done, one line each.
+
+        With `others_only`, only entries another instance of the driver wrote (one killed
+        during a rolling update): the caller holds the serialize lock, under which alone a
+        living instance binds and gives back, so an entry of another's found unfinished is a
+        dead run's. Entries that name no writer (written by a driver from before this was
+        recorded, which took no serialize lock) and our own are left to the next start."""
         keep = set(prepared)
         done: list[str] = []
         for path, entry in self._entries():
             if not isinstance(entry, JournalEntry):
-                done.append(f"unreadable binding journal {path}: {entry}; left for a person")
+                if not others_only:
+                    done.append(f"unreadable binding journal {path}: {entry}; left for a person")
                 continue
             if entry.phase == "bound" and entry.claim_uid in keep:
                 continue
+            if others_only and (entry.writer is None or entry.writer == self._writer):
+                continue
             why = _WHY[entry.phase]
+            if entry.writer is not None:
+                why += f", by {entry.writer}"
             try:
                 with self._lock(f"DRA recovery for claim {entry.claim_uid}"):
                     # A VM used them, unless the bind never finished.
@@ -293,7 +328,7 @@ class OnDemandBinder:
         try:
             check_free(self._access, wanted)
             if entry.phase == "bound":
-                self._record(replace(entry, phase="releasing"))
+                self._record(replace(entry, phase="releasing", writer=self._writer))
             if reset:
                 self._reset(entry.moved)
             return give_back(self._access, wanted)
@@ -358,6 +393,17 @@ def _read_entry(path: Path) -> JournalEntry:
     return JournalEntry.from_json(json.loads(path.read_text()))
 
 
+def _writer_from_json(value: object) -> Writer | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("writtenBy: expected an object")
+    pid, instance = value.get("pid"), value.get("instance")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(instance, str):
+        raise ValueError("writtenBy: expected a pid and an instance")
+    return Writer(pid, instance)
+
+
 def _moved_from_json(item: object, index: int) -> Moved:
     if not isinstance(item, dict) or not isinstance(item.get("bdf"), str):
         raise ValueError(f"moved[{index}]: expected an object with a PCI address as bdf")
@@ -371,8 +417,9 @@ def _moved_from_json(item: object, index: int) -> Moved:
 def _check_earlier(earlier: JournalEntry, claim_uid: str, bdfs: Sequence[Bdf]) -> None:
     """Refuse a bind that would overwrite the only record of where functions were."""
     if earlier.phase == "binding":
+        by = f" by {earlier.writer}" if earlier.writer is not None else ""
         raise BindingError(
-            f"an earlier bind for this claim failed and could not be undone"
+            f"an earlier bind for this claim{by} failed and could not be undone"
             f" ({_names(earlier.moved)}); the host needs a person (kubevirt-iommufd"
             " inspect); the driver puts them back at its next start"
         )

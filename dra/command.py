@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -24,6 +25,8 @@ DEFAULT_STATE_DIR = Path("/var/lib/kubevirt-iommufd/dra")
 _DNS_SUBDOMAIN = re.compile(
     r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 )
+# A pod UID goes into socket file names: nothing but what a UID is made of.
+_INSTANCE_UID = re.compile(r"[A-Za-z0-9][-A-Za-z0-9]{0,62}")
 if TYPE_CHECKING:
     from hostdev.labels.node_patch import NodeLabeler
 
@@ -100,6 +103,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         " also trigger a re-read of the devices they name (default: 5)",
     )
     dra.add_argument(
+        "--instance-uid",
+        default=os.environ.get("POD_UID") or None,
+        metavar="UID",
+        help="this pod's UID, so that the old and the new pod of a rolling update serve side by"
+        " side under names of their own (default: $POD_UID; none: the node's only instance)",
+    )
+    dra.add_argument(
         "--unhealthy-taint-effect",
         type=TaintEffect,
         choices=list(TaintEffect),
@@ -162,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         watch_udev=args.root == Path("/"),
         host_root=args.host_root,
         unhealthy_taint_effect=args.unhealthy_taint_effect,
+        instance_uid=args.instance_uid or "",
     )
     stopping = threading.Event()
 
@@ -206,6 +217,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--node-name {args.node_name!r}: expected a node name (a DNS subdomain)"
     if not args.root.is_dir():
         return f"--root {args.root} is not a directory"
+    if args.instance_uid and not _INSTANCE_UID.fullmatch(args.instance_uid):
+        return (
+            f"--instance-uid {args.instance_uid!r}: expected a pod UID (letters, digits and"
+            " dashes), as the downward API's metadata.uid gives it"
+        )
     if args.rescan_interval < 0.1:
         return f"--rescan-interval {args.rescan_interval}: expected at least 0.1 seconds"
     return None

@@ -32,10 +32,11 @@ from dra.health import DeviceHealth, Health
 from dra.health_judge import HealthState, HostSignals, diff_health, judge_health, same_health
 from dra.health_stream import HealthStreams
 from dra.host_cache import HostCache
-from dra.kubelet_sockets import KubeletSockets
+from dra.kubelet_sockets import KubeletSockets, serialize_lock_path
 from dra.prepare import ClaimPreparer, ClaimsChanged
 from dra.prepare_plan import Paths
 from dra.publisher import SlicePublisher
+from dra.serialize_lock import SerializeLock
 from dra.servicer import DraServicerV1, DraServicerV1beta1
 from dra.slices import TaintEffect
 from dra.state import RECORDS_MODE, ClaimStore
@@ -52,6 +53,8 @@ from hostdev.labels.publisher import LabelPublisher
 from hostdev.pciids import PciIds
 
 log = logging.getLogger(__name__)
+CLAIMS_FOLLOW_SECONDS = 0.2
+"""How often the claim records are looked at for another instance's prepares and unprepares."""
 # The container runtime (root) reads the CDI specs and bind-mounts the metadata files into the
 # virt-launcher pod, where KubeVirt reads them as uid 107: those directories may be read and
 # passed through by all, and written by root alone.
@@ -78,6 +81,9 @@ class DriverSettings:
     aer_poll_interval: float = 0.05
     """Seconds between readings of the published devices' PCIe error counters (two small sysfs
     files each), which send no event; 0 reads them only with the host."""
+    instance_uid: str = ""
+    """The pod's UID when instances run side by side during a rolling update (socket names,
+    journal entries); empty for the node's only instance."""
 
 
 class DraDriver:
@@ -109,7 +115,9 @@ class DraDriver:
         self._paths = Paths(settings.cdi_dir, settings.state_dir / "metadata")
         self._journal_dir = settings.state_dir / "bindings"
         self.binder = OnDemandBinder(
-            HostAccess(root=settings.root, host_root=settings.host_root), self._journal_dir
+            HostAccess(root=settings.root, host_root=settings.host_root),
+            self._journal_dir,
+            instance=settings.instance_uid,
         )
         # Host events, claims prepared or forgotten, and the stop mark, all read by one thread:
         # it alone publishes, so what it publishes follows what is held in order.
@@ -123,6 +131,9 @@ class DraDriver:
             self._paths,
             changes=self._events,
             binder=self.binder,
+            serialize=SerializeLock(
+                serialize_lock_path(settings.kubelet_dir, settings.driver), settings.instance_uid
+            ),
         )
         self.publisher = SlicePublisher(
             api,
@@ -143,11 +154,26 @@ class DraDriver:
             DraServicerV1(self.preparer),
             DraServicerV1beta1(self.preparer),
             self.health,
+            instance_uid=settings.instance_uid,
         )
         self._udev = UdevWatch(self._events.put) if settings.watch_udev else None
         self._watch = DeviceWatch[DevicesChanged](settings.root, self._events.put)
         self._events_thread = threading.Thread(
             target=self._event_loop, name="dra-events", daemon=True
+        )
+        # Another instance's prepares reach the slices this one publishes too, so both publish
+        # the same and neither undoes the other's writes. Only an instance of a rolling update
+        # (one with a pod UID) can have another beside it.
+        self._stopping = threading.Event()
+        self._follower = threading.Thread(
+            target=self.store.follow,
+            args=(
+                lambda: self._events.put(ClaimsChanged("")),
+                self._stopping,
+                CLAIMS_FOLLOW_SECONDS,
+            ),
+            name="dra-claims",
+            daemon=True,
         )
 
     @property
@@ -170,6 +196,8 @@ class DraDriver:
         self._publish_labels(self.devices)
         self._watch.start()
         self._events_thread.start()
+        if self.settings.instance_uid:
+            self._follower.start()
         if self._udev is not None:
             self._udev.start()
         log.info(
@@ -186,7 +214,7 @@ class DraDriver:
         prepared left on VFIO (sysfs writes), then read the host as it is after that."""
         self._make_directories()
         self.store.load()
-        for line in self.binder.recover(c.uid for c in self.store):
+        for line in self.preparer.recover():
             log.warning("start-up recovery: %s", line)
         self.host.scan()
 
@@ -200,6 +228,7 @@ class DraDriver:
         make_private_directory(self._journal_dir, RECORDS_MODE, "binding journal directory")
 
     def stop(self) -> None:
+        self._stopping.set()
         if self._udev is not None:
             self._udev.stop()
         self._watch.stop()
@@ -210,6 +239,8 @@ class DraDriver:
         self.publisher.stop()
         if self._events_thread.is_alive():
             self._events_thread.join()
+        if self._follower.is_alive():
+            self._follower.join()
         if self._labels is not None:
             self._labels.close()
 

@@ -3,13 +3,21 @@
 `plugins/<driver>/dra.sock` serves DRAPlugin (v1 and v1beta1) and DRAResourceHealth (v1,
 v1beta1, v1alpha1); `plugins_registry/<driver>-reg.sock`
 serves Registration, and its appearance is what makes the kubelet's plugin watcher call GetInfo.
+An instance started with its pod's UID (a DaemonSet's rolling update runs the old and the new pod
+side by side) puts the UID in both names, as the kubeletplugin helper's `RollingUpdate(uid)` does
+(k8s.io/dynamic-resource-allocation kubeletplugin/draplugin.go): the kubelet (1.33 and later)
+keeps both registrations, calls the newest and falls back to the other when that one's
+registration socket goes (pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go `get` and `remove`).
 A restarting kubelet may wipe either directory: a guard thread notices a socket that is gone (or
 is no longer ours) within `check_interval` and serves it anew, which registers the driver again.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -31,16 +39,59 @@ from dra.servicer import (
 from dra.v1 import api_pb2_grpc as v1_grpc
 from dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from hostdev.grpc_socket import GrpcSocketServer
+from hostdev.unix_socket import MAX_SOCKET_PATH
 
 log = logging.getLogger(__name__)
 
 
-def dra_socket_path(kubelet_dir: Path, driver: str) -> Path:
-    return kubelet_dir / "plugins" / driver / "dra.sock"
+def dra_socket_path(kubelet_dir: Path, driver: str, instance_uid: str = "") -> Path:
+    """`plugins/<driver>/dra.sock`, or `dra-<pod UID>.sock` for one of several instances (a
+    hash of the UID when that path is too long for a unix socket)."""
+    directory = kubelet_dir / "plugins" / driver
+    if not instance_uid:
+        return directory / "dra.sock"
+    return _first_fitting(
+        directory, (f"dra-{instance_uid}.sock", f"dra-{_hashed(instance_uid, 8)}.sock")
+    )
 
 
-def registration_socket_path(kubelet_dir: Path, driver: str) -> Path:
-    return kubelet_dir / "plugins_registry" / f"{driver}-reg.sock"
+def registration_socket_path(kubelet_dir: Path, driver: str, instance_uid: str = "") -> Path:
+    """`plugins_registry/<driver>-reg.sock`, or for one of several instances the first that fits
+    a unix socket's address of `<driver>-<pod UID>-reg.sock`,
+    `<driver>-<base64url(sha256(UID))[:8 bytes]>-reg.sock` and
+    `dra-<base64url(sha256(driver NUL UID))[:16 bytes]>-reg.sock`, as the kubeletplugin helper
+    names them (`RollingUpdateRegistrarSocketFile`)."""
+    directory = kubelet_dir / "plugins_registry"
+    if not instance_uid:
+        return directory / f"{driver}-reg.sock"
+    return _first_fitting(
+        directory,
+        (
+            f"{driver}-{instance_uid}-reg.sock",
+            f"{driver}-{_hashed(instance_uid, 8)}-reg.sock",
+            f"dra-{_hashed(driver + chr(0) + instance_uid, 16)}-reg.sock",
+        ),
+    )
+
+
+def serialize_lock_path(kubelet_dir: Path, driver: str) -> Path:
+    """The lock every instance of the driver holds around a prepare or unprepare and its start-up
+    recovery, as the kubeletplugin helper's `serialize.lock` in the plugin's directory."""
+    return kubelet_dir / "plugins" / driver / "serialize.lock"
+
+
+def _hashed(text: str, size: int) -> str:
+    digest = hashlib.sha256(text.encode()).digest()[:size]
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def _first_fitting(directory: Path, names: tuple[str, ...]) -> Path:
+    """The first name whose path fits a unix socket's address; the last if none does (serving
+    it then fails, naming the path and the limit)."""
+    for name in names:
+        if len(os.fsencode(directory / name)) <= MAX_SOCKET_PATH:
+            return directory / name
+    return directory / names[-1]
 
 
 class KubeletSockets:
@@ -52,8 +103,10 @@ class KubeletSockets:
         v1beta1: DraServicerV1beta1,
         health: HealthStreams,
         check_interval: float = 0.2,
+        *,
+        instance_uid: str = "",
     ) -> None:
-        dra_path = dra_socket_path(kubelet_dir, driver)
+        dra_path = dra_socket_path(kubelet_dir, driver, instance_uid)
         self.registration = RegistrationServicer(driver, str(dra_path))
 
         def add_dra(server: grpc.Server) -> None:
@@ -73,7 +126,9 @@ class KubeletSockets:
         # The DRA socket first: the kubelet dials it as soon as registration succeeds.
         self._served = (
             GrpcSocketServer(dra_path, add_dra),
-            GrpcSocketServer(registration_socket_path(kubelet_dir, driver), add_registration),
+            GrpcSocketServer(
+                registration_socket_path(kubelet_dir, driver, instance_uid), add_registration
+            ),
         )
         self._interval = check_interval
         self._stop = threading.Event()

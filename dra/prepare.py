@@ -14,7 +14,8 @@ import logging
 import re
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ from dra.prepare_plan import (
     plan_prepare,
     same_allocation,
 )
+from dra.serialize_lock import SerializeLock
 from dra.state import ClaimStore, PreparedClaim, StateError
 from hostdev.atomic_file import write_file_atomically
 from hostdev.bdf import Bdf
@@ -74,6 +76,7 @@ class ClaimPreparer:
         *,
         changes: ChangeSink | None = None,
         binder: OnDemandBinder | None = None,
+        serialize: SerializeLock | None = None,
     ) -> None:
         self._driver = driver
         self._pool = pool
@@ -89,12 +92,9 @@ class ClaimPreparer:
         # One claim at a time: two claims racing for one device must not both see it free. It
         # is never held over a call to the API server, so NodeUnprepare never waits on one.
         self._lock = threading.Lock()
-        self._reading: dict[str, int] = {}
-        """Claim GETs under way, by claim UID."""
-        self._withdrawn: dict[str, int] = {}
-        """By claim UID, how many NodeUnprepares came while GETs of it were under way: a
-        prepare whose GET began before one must not go on, or it would bind and record a claim
-        the kubelet has already let go of, and nothing would ever unprepare it."""
+        self._serialize = serialize
+        """The same across every instance of the driver on the node (a rolling update runs two):
+        held, with the records read again, wherever `_lock` is held for the claims' state."""
 
     def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PreparedClaim | str]:
         answers: dict[str, PreparedClaim | str] = {}
@@ -122,31 +122,47 @@ class ClaimPreparer:
                 answers[ref.uid] = message
         return answers
 
+    def recover(self) -> list[str]:
+        """Start-up recovery (OnDemandBinder.recover) over the prepared claims on disk, under the
+        serialize lock: a living instance binds and gives back only while holding it, so an
+        entry found half-done here is a dead run's, never a bind the other instance is doing."""
+        with self._serialized():
+            if self._binder is None:
+                return []
+            return self._binder.recover(c.uid for c in self._store)
+
+    @contextmanager
+    def _serialized(self) -> Iterator[None]:
+        """The in-process lock, then the node's serialize lock, then the records as they are on
+        disk now (another instance may have prepared or unprepared since), and whatever another
+        instance killed in a bind or a give-back left half-done put back (a rolling update's old
+        pod, killed: the new one must not wait for its own restart to free those devices)."""
+        with self._lock, self._serialize.hold() if self._serialize else nullcontext():
+            self._store.refresh()
+            if self._serialize is not None and self._binder is not None:
+                prepared = [c.uid for c in self._store]
+                for line in self._binder.recover(prepared, others_only=True):
+                    log.warning("recovery after another instance of the driver: %s", line)
+            yield
+
     def _prepare_one(self, ref: ClaimRef) -> PreparedClaim:
         _check_ref(ref)
-        with self._lock:
+        with self._serialized():
             known = self._store.get(ref.uid)
             if known is not None and self._still_prepared(known):
                 return known
-            withdrawn_before = self._withdrawn.get(ref.uid, 0)
-            self._reading[ref.uid] = self._reading.get(ref.uid, 0) + 1
+            unprepared = self._store.unprepared_mark(ref.uid)
         # The API server is asked without the lock: a slow answer holds up this claim only.
-        try:
-            claim = self._claims.read_claim(ref.namespace, ref.name)
-        finally:
-            with self._lock:
-                withdrawn = self._withdrawn.get(ref.uid, 0) != withdrawn_before
-                self._reading[ref.uid] -= 1
-                if not self._reading[ref.uid]:
-                    del self._reading[ref.uid]
-                    self._withdrawn.pop(ref.uid, None)
-        if withdrawn:
-            raise ClaimError(
-                f"{ref}: unprepared while its claim was being read from the API server, so it is"
-                " not prepared; the kubelet asks again if a pod still needs it"
-            )
+        claim = self._claims.read_claim(ref.namespace, ref.name)
         allocation = parse_allocation(claim, ref, self._driver, self._pool)
-        with self._lock:
+        with self._serialized():
+            if self._store.unprepared_mark(ref.uid) != unprepared:
+                # Unprepared meanwhile, by this instance or the other: going on would bind and
+                # record a claim the kubelet has let go of, which nothing would ever unprepare.
+                raise ClaimError(
+                    f"{ref}: unprepared while its claim was being read from the API server, so"
+                    " it is not prepared; the kubelet asks again if a pod still needs it"
+                )
             # Looked at again: while the answer came, another call may have prepared this claim
             # (a kubelet retry) or taken its devices for another.
             known = self._store.get(ref.uid)
@@ -263,9 +279,8 @@ class ClaimPreparer:
 
     def _unprepare_one(self, ref: ClaimRef) -> None:
         _check_ref(ref)
-        with self._lock:
-            if ref.uid in self._reading:
-                self._withdrawn[ref.uid] = self._withdrawn.get(ref.uid, 0) + 1
+        with self._serialized():
+            self._store.mark_unprepared(ref.uid)
             known = self._store.get(ref.uid)
             # The files have fixed names, so a claim whose record was never written (a crash
             # between writing and recording) is still cleaned up.

@@ -2,14 +2,20 @@
 
 A claim is recorded after its CDI spec and metadata are written and before the kubelet hears it
 is prepared, so a retried call, or one after a restart of ours, gets the same answer and finds
-the same devices taken; it is forgotten only after its files are gone.
+the same devices taken; it is forgotten only after its files are gone. The files, not the memory,
+are the truth: during a rolling update the other instance of the driver prepares and unprepares in
+the same directory (`ClaimStore.refresh`), and marks each claim it unprepares
+(`<state_dir>/unprepared/<uid>`), so a prepare of that claim in either instance that was already
+reading it from the API server stops.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +31,7 @@ STATE_VERSION = 1
 # Claim records and binding journals are root's alone: nobody else reads them, and nobody else may
 # plant a file or a symbolic link among them.
 RECORDS_MODE = 0o700
+_MARKS_KEPT_SECONDS = 3600.0
 # What a record's field holds when the record has no such key (JSON null is None).
 _MISSING = object()
 
@@ -158,23 +165,57 @@ def _shown(value: object) -> str:
 
 
 class ClaimStore:
-    """Prepared claims by UID, kept in memory and in `<state_dir>/claims/<uid>.json`."""
+    """Prepared claims by UID, kept in memory and in `<state_dir>/claims/<uid>.json`.
+
+    The files are the truth: during a rolling update another instance of the driver prepares
+    and unprepares claims in the same directory. `refresh` brings the memory up to the files,
+    reading only the records that are new or changed since it last looked (by inode, size and
+    times: a record is only ever replaced by a rename, never written in place)."""
 
     def __init__(self, state_dir: Path) -> None:
         self._dir = state_dir / "claims"
+        self._unprepared = state_dir / "unprepared"
         self._claims: dict[str, PreparedClaim] = {}
-        # The preparer writes while the publisher reads which groups are held.
+        self._seen: dict[str, _Stamp] = {}
+        """Record file name -> its stamp when last read, or written by us."""
+        # The preparer writes while the publisher reads which groups are held, and a refresh
+        # must not undo a save that came between its listing and its update.
         self._lock = threading.Lock()
 
     def load(self) -> None:
-        """Read every record. An unreadable one stops the driver (StateError naming the file):
-        skipping it would set its devices free for another claim while a VM may have them."""
+        """Make the records directory and read every record. An unreadable one stops the driver
+        (StateError naming the file): skipping it would set its devices free for another claim
+        while a VM may have them."""
         try:
             make_private_directory(self._dir, RECORDS_MODE, "claim records directory")
         except OSError as error:
             raise StateError(f"claim records directory {self._dir}: {error.strerror}") from error
-        for claim in read_prepared_claims(self._dir.parent):
-            self._claims[claim.uid] = claim
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Read what changed on disk; whether anything did. StateError as `load`."""
+        with self._lock:
+            stamps = _scan_stamps(self._dir)
+            changed = False
+            for name in [n for n in self._seen if n not in stamps]:
+                del self._seen[name]
+                self._claims.pop(name.removesuffix(".json"), None)
+                changed = True
+            for name, stamp in stamps.items():
+                if self._seen.get(name) == stamp:
+                    continue
+                path = self._dir / name
+                try:
+                    claim = _read_record(path)
+                except FileNotFoundError:
+                    # Removed since the listing: the next refresh drops it.
+                    continue
+                except ValueError as error:
+                    raise _unreadable(path, error) from error
+                self._claims[claim.uid] = claim
+                self._seen[name] = stamp
+                changed = True
+            return changed
 
     def get(self, uid: str) -> PreparedClaim | None:
         return self._claims.get(uid)
@@ -193,26 +234,101 @@ class ClaimStore:
 
     def save(self, claim: PreparedClaim) -> None:
         data = json.dumps(claim.to_json(), indent=1).encode()
-        try:
-            write_file_atomically(
-                self._dir / f"{claim.uid}.json", data, 0o600, directory_mode=RECORDS_MODE
-            )
-        except OSError as error:
-            raise StateError(
-                f"cannot record {claim.uid} in {self._dir}: {error.strerror}"
-            ) from error
+        path = self._dir / f"{claim.uid}.json"
         with self._lock:
+            try:
+                write_file_atomically(path, data, 0o600, directory_mode=RECORDS_MODE)
+                stamp = _stamp(path.stat())
+            except OSError as error:
+                raise StateError(
+                    f"cannot record {claim.uid} in {self._dir}: {error.strerror}"
+                ) from error
             self._claims[claim.uid] = claim
+            self._seen[path.name] = stamp
 
     def forget(self, uid: str) -> None:
         path = self._dir / f"{uid}.json"
-        try:
-            path.unlink(missing_ok=True)
-            sync_directory(self._dir)
-        except OSError as error:
-            raise StateError(f"cannot remove {path}: {error.strerror}") from error
         with self._lock:
+            try:
+                path.unlink(missing_ok=True)
+                sync_directory(self._dir)
+            except OSError as error:
+                raise StateError(f"cannot remove {path}: {error.strerror}") from error
             self._claims.pop(uid, None)
+            self._seen.pop(path.name, None)
+
+    def mark_unprepared(self, uid: str) -> None:
+        """Note that the kubelet let go of a claim, for a prepare of it in any instance whose
+        read of the claim from the API server is under way (`unprepared_mark` changes): that
+        prepare must not go on. Marks older than an hour, far longer than any read may take, are
+        removed."""
+        try:
+            write_file_atomically(self._unprepared / uid, b"", 0o600, directory_mode=RECORDS_MODE)
+            cutoff = time.time() - _MARKS_KEPT_SECONDS
+            for mark in self._unprepared.iterdir():
+                if mark.lstat().st_mtime < cutoff:
+                    mark.unlink(missing_ok=True)
+        except OSError as error:
+            raise StateError(
+                f"cannot mark {uid} unprepared in {self._unprepared}: {error.strerror}"
+            ) from error
+
+    def unprepared_mark(self, uid: str) -> tuple[int, int] | None:
+        """Changes whenever the claim is unprepared (a new file each time: its inode differs
+        from the one it replaced, whatever the clock's granularity)."""
+        try:
+            info = (self._unprepared / uid).lstat()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise StateError(f"cannot read {self._unprepared / uid}: {error.strerror}") from error
+        return info.st_ino, info.st_mtime_ns
+
+    def follow(self, changed: Callable[[], None], stop: threading.Event, interval: float) -> None:
+        """Until `stop`, refresh every `interval` seconds and call `changed` when another
+        instance prepared or unprepared a claim: what is published follows what is held."""
+        said = ""
+        while not stop.wait(interval):
+            try:
+                if self.refresh():
+                    changed()
+                said = ""
+            except StateError as error:
+                # Said once, not every interval, until it is fixed or something else is wrong.
+                if str(error) != said:
+                    said = str(error)
+                    log.error("re-reading the prepared claims failed: %s", error)
+
+
+_Stamp = tuple[int, int, int, int]
+"""A record file's inode, size, mtime and ctime (ns)."""
+
+
+def _stamp(info: os.stat_result) -> _Stamp:
+    return info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
+def _scan_stamps(directory: Path) -> dict[str, _Stamp]:
+    """Each record file's stamp, by file name (one directory read and a stat per record)."""
+    stamps: dict[str, _Stamp] = {}
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.name.endswith(".json"):
+                    try:
+                        stamps[entry.name] = _stamp(entry.stat(follow_symlinks=False))
+                    except FileNotFoundError:
+                        continue
+    except OSError as error:
+        raise StateError(f"state directory {directory}: {error.strerror}") from error
+    return stamps
+
+
+def _unreadable(path: Path, error: ValueError) -> StateError:
+    return StateError(
+        f"unreadable prepared-claim record {path}: {error}; check which device the"
+        " claim had (kubevirt-iommufd inspect), then fix or remove the file"
+    )
 
 
 def read_prepared_claims(
@@ -230,20 +346,22 @@ def read_prepared_claims(
     for path in paths:
         try:
             claims.append(_read_record(path))
+        except FileNotFoundError:
+            continue  # unprepared since the listing
         except ValueError as error:
             if on_unreadable is None:
-                raise StateError(
-                    f"unreadable prepared-claim record {path}: {error}; check which device the"
-                    " claim had (kubevirt-iommufd inspect), then fix or remove the file"
-                ) from error
+                raise _unreadable(path, error) from error
             on_unreadable(path, str(error))
     return tuple(claims)
 
 
 def _read_record(path: Path) -> PreparedClaim:
-    """One record; ValueError saying what is wrong with it, in one line."""
+    """One record; ValueError saying what is wrong with it, in one line (FileNotFoundError when
+    it is gone: another instance unprepared its claim)."""
     try:
         data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise
     except OSError as error:
         raise ValueError(error.strerror) from error
     except RecursionError as error:

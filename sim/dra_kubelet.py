@@ -16,7 +16,12 @@ Behaviours reproduced, from kubernetes/kubernetes (master, 2025):
 - pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go: the chosen service is the first entry of the
   plugin's `supported_versions` that the kubelet speaks; an empty list, or one without a service
   the kubelet speaks, is refused; a second registration with the same driver and endpoint is
-  refused; calls go to the most recent registration of the driver.
+  refused (`add`: one instance cannot hijack another's endpoint), one with another endpoint is
+  kept beside the first (two instances during a rolling update, 1.33 and later); calls go to the
+  most recent registration of the driver (`get`), and to the one before once that one's
+  registration socket is gone (`remove`). Only when the driver's last registration goes is its
+  ResourceSlices' wipe scheduled, after `wipe_delay` (`sync`: the kubelet's is 30 s), and a
+  registration before then cancels it; `wipe`, when given, does the wiping.
 - pkg/kubelet/cm/dra/plugin/dra_plugin.go: NodePrepareResources/NodeUnprepareResources in the
   chosen version with a 45 s timeout.
 - dra_plugin_manager.go (ResourceHealthStatus on): a registration whose `supported_versions`
@@ -40,7 +45,10 @@ Behaviours reproduced, from kubernetes/kubernetes (master, 2025):
 Deliberate differences: the directory is polled (every 20 ms) instead of watched with inotify,
 a new socket at an old path is told apart by inode and ctime; and `check_endpoint` (on by
 default) refuses a plugin whose endpoint is not a socket yet, where the kubelet would accept it
-and fail the first call. Pass `check_endpoint=False` for the kubelet's exact behaviour.
+and fail the first call. Pass `check_endpoint=False` for the kubelet's exact behaviour. Of two
+registrations the kubelet prefers the newest whose gRPC connection is up; the stand-in does not
+follow connections and takes the newest, so a test stops an instance the way a pod does
+(removing its registration socket).
 """
 
 from __future__ import annotations
@@ -156,6 +164,8 @@ class DRAKubeletStandIn:
         dial_timeout: float = 10.0,
         info_timeout: float = 1.0,
         call_timeout: float = 45.0,
+        wipe: Callable[[str], None] | None = None,
+        wipe_delay: float = 30.0,
     ) -> None:
         self.services = tuple(services)
         unknown = [s for s in self.services if s not in SERVICES]
@@ -177,6 +187,8 @@ class DRAKubeletStandIn:
         self.dial_timeout = dial_timeout
         self.info_timeout = info_timeout
         self.call_timeout = call_timeout
+        self.wipe = wipe
+        self.wipe_delay = wipe_delay
         # History, kept across restarts, for the tests to inspect.
         self.registrations: list[Registration] = []
         self.refusals: list[Refusal] = []
@@ -185,6 +197,7 @@ class DRAKubeletStandIn:
         # (driver, "opened" / "ended" / "failed: <code>", time.monotonic()) of every stream
         self.health_events: list[tuple[str, str, float]] = []
         self._health: dict[str, dict[str, SeenHealth]] = {}  # driver -> the kubelet's cache
+        self.wipes: list[str] = []  # drivers whose slices were wiped, in order
         self.restarts = 0
         self._changed = threading.Condition()
         self._generation = 0
@@ -195,6 +208,7 @@ class DRAKubeletStandIn:
         self._live: dict[Path, _Live] = {}
         self._pending: set[Path] = set()
         self._backoff: dict[Path, tuple[float, float]] = {}  # next attempt, last delay
+        self._wipes_due: dict[str, float] = {}  # driver -> when its slices are wiped
 
     # Lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -215,6 +229,7 @@ class DRAKubeletStandIn:
             self._running = False
             live, self._live = list(self._live.values()), {}
             self._desired, self._silent, self._backoff = {}, {}, {}
+            self._wipes_due = {}
             self._changed.notify_all()
         if self._scanner is not None:
             self._scanner.join()
@@ -380,8 +395,18 @@ class DRAKubeletStandIn:
     def _deregister(self, path: Path, reason: str) -> _Live:
         plugin = self._live.pop(path)
         self.deregistrations.append(Deregistration(plugin.registration, reason, time.monotonic()))
+        driver = plugin.registration.driver
+        if self._current(driver) is None:
+            self._wipes_due.setdefault(driver, time.monotonic() + self.wipe_delay)
         self._changed.notify_all()
         return plugin
+
+    def _due_wipes(self, now: float) -> list[str]:
+        due = [d for d, at in self._wipes_due.items() if at <= now]
+        for driver in due:
+            del self._wipes_due[driver]
+            self.wipes.append(driver)
+        return due
 
     def _scan_loop(self, generation: int) -> None:
         """The plugin watcher and the reconciler: runs without the lock held between passes."""
@@ -392,8 +417,12 @@ class DRAKubeletStandIn:
                 if generation != self._generation:
                     return
                 closing = self._reconcile(found, generation)
+                wiping = self._due_wipes(time.monotonic())
             for plugin in closing:
                 plugin.close()
+            if self.wipe is not None:
+                for driver in wiping:
+                    self.wipe(driver)
             time.sleep(self.scan_interval)
 
     def _reconcile(self, found: dict[Path, Identity], generation: int) -> list[_Live]:
@@ -539,6 +568,7 @@ class DRAKubeletStandIn:
             live.health = self._health_stream(registration, live.dra_channel)
             self._live[path] = live
             self._backoff.pop(path, None)
+            self._wipes_due.pop(info.name, None)
         if live.health is not None:
             live.health.start()
         if self.info_poll_interval is not None:

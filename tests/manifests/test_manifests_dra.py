@@ -7,9 +7,11 @@ a device-plugin overlay."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 import yaml
 
 from dra.device_classes import build_device_class
-from dra.kubelet_sockets import dra_socket_path, registration_socket_path
+from dra.kubelet_sockets import dra_socket_path, registration_socket_path, serialize_lock_path
 from hostdev.binding.lock import LOCK_PATH
 from hostdev.config import parse_config
 from k8s_schema_kit import assert_valid
@@ -25,6 +27,7 @@ from kubevirt_iommufd.cli import build_parser
 from manifests_kit import MANIFESTS, NAMESPACE, by_kind, one, read_documents, render
 
 NODE = "gpu-node-7"
+POD_UID = "3f6c1b2a-9d4e-4c1b-8a7f-0e2d5c6b7a81"
 STATE_ROOT = Path("/var/lib/kubevirt-iommufd")
 
 
@@ -41,10 +44,13 @@ def driver_container() -> dict[str, Any]:
 
 
 def driver_args() -> argparse.Namespace:
-    """The container's args as `kubevirt-iommufd` parses them, on a node named NODE."""
+    """The container's args as `kubevirt-iommufd` parses them, on a node named NODE, in the pod
+    POD_UID (its environment as the downward API fills it)."""
     container = driver_container()
     args = [a.replace("$(NODE_NAME)", NODE) for a in container["args"]]
-    return build_parser().parse_args(args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("POD_UID", POD_UID)
+        return build_parser().parse_args(args)
 
 
 def mounted_host_paths(container: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -64,8 +70,10 @@ def test_the_driver_runs_for_the_node_it_is_on() -> None:
     assert "--node-name=$(NODE_NAME)" in container["args"]
     assert args.node_name == NODE
     assert container["env"] == [
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
     ]
+    assert args.instance_uid == POD_UID
     # The in-cluster service account, not a kubeconfig on the node.
     assert args.kubeconfig is None
 
@@ -86,8 +94,11 @@ def test_image_labels_and_scheduling_follow_the_device_plugin() -> None:
     # Its own node label: a node runs the device plugin, the driver, or both only by choice.
     assert driver_pod["nodeSelector"] == {"kubevirt-iommufd.io/dra": "true"}
     assert driver_pod["nodeSelector"] != plugin_pod["nodeSelector"]
-    # Fixed socket names: a surge pod on the same node would take them from the running one.
-    assert driver["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
+    # No gap in an upgrade: the new pod runs beside the old, under socket names of its own.
+    assert driver["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
 
 
 def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
@@ -117,8 +128,10 @@ def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
     assert mounts["/dev"][1]["readOnly"] is True
     assert mounts["/sys"][1].get("readOnly") is not True, "binding on demand writes sysfs"
     for path in (
-        dra_socket_path(kubelet, args.driver_name),
-        registration_socket_path(kubelet, args.driver_name),
+        dra_socket_path(kubelet, args.driver_name, args.instance_uid),
+        registration_socket_path(kubelet, args.driver_name, args.instance_uid),
+        # Both pods of a rolling update lock the same file on the host.
+        serialize_lock_path(kubelet, args.driver_name),
         args.state_dir / "claims",
         args.state_dir / "metadata",
     ):
@@ -183,26 +196,37 @@ def probe_command(kind: str, socket_path: Path) -> list[str]:
     return [sys.executable, *exec_command[1:-1], str(socket_path)]
 
 
-def test_the_probes_watch_the_registration_socket() -> None:
+def test_the_probes_watch_the_registration_socket_of_their_own_pod() -> None:
     args = driver_args()
     container = driver_container()
-    socket_path = registration_socket_path(args.kubelet_dir, args.driver_name)
+    socket_path = registration_socket_path(args.kubelet_dir, args.driver_name, POD_UID)
+    # The full UID fits: the probe names the socket as the driver does, not a hashed fallback.
+    assert POD_UID in socket_path.name
     for kind in ("readinessProbe", "livenessProbe"):
-        assert container[kind]["exec"]["command"][-1] == str(socket_path)
+        template = container[kind]["exec"]["command"][-1]
+        assert template.format(uid=POD_UID) == str(socket_path)
     liveness = container["livenessProbe"]
     # A restarting kubelet removes the socket for a few seconds; that must not restart the driver.
     assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60
 
 
 @pytest.mark.parametrize("kind", ["readinessProbe", "livenessProbe"])
-def test_the_probe_passes_only_while_the_socket_takes_connections(
-    kind: str, tmp_path: Path
-) -> None:
-    path = tmp_path / "reg.sock"
+def test_the_probe_passes_only_while_the_socket_takes_connections(kind: str) -> None:
+    # A short directory: with the UID in it, a path under tmp_path is too long for a socket.
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:
+        probe_the_socket(kind, Path(short) / "reg-{uid}.sock")
+
+
+def probe_the_socket(kind: str, template: Path) -> None:
+    path = Path(str(template).format(uid=POD_UID))
 
     def probe() -> int:
         return subprocess.run(
-            probe_command(kind, path), capture_output=True, check=False, timeout=30
+            probe_command(kind, template),
+            capture_output=True,
+            check=False,
+            timeout=30,
+            env={**os.environ, "POD_UID": POD_UID},
         ).returncode
 
     assert probe() != 0, "no socket"
