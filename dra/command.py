@@ -41,8 +41,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Publish this node's VFIO PCI devices as ResourceSlices (resource.k8s.io/v1) and"
             " prepare the claims the scheduler allocates on them: a CDI spec with the device's"
             " cdev, /dev/iommu, /dev/vfio/vfio and group node, and the device metadata file"
-            " KubeVirt reads. Serves the kubelet's plugin registration and DRAPlugin v1 and"
-            " v1beta1. Runs until SIGTERM or SIGINT, then removes its sockets and exits 0."
+            " KubeVirt reads. Serves the kubelet's plugin registration, DRAPlugin v1 and"
+            " v1beta1, and each device's health (DRAResourceHealth v1, v1beta1, v1alpha1); an"
+            " unhealthy device's slice entry carries a taint. With --instance-uid, the old and"
+            " the new pod of a rolling update serve side by side. Runs until SIGTERM or SIGINT,"
+            " then removes its own sockets and exits 0."
         ),
     )
     dra.add_argument("--node-name", required=True, metavar="NAME", help="this node's name")
