@@ -36,8 +36,8 @@ _ODD_LINE = re.compile(
 _CLASS_FORM = re.compile(r"^\t\t?[0-9a-f]{2}  ", re.M)
 _SUBSYSTEM_FIRST = re.compile(r"^[0-9a-f]{4}  .*\n(?:(?:#.*|[ \t]*)\n)*\t\t", re.M)
 _VENDOR_LINES = re.compile(r"^\t([0-9a-f]{4})  (.+)$|^\t\t([0-9a-f]{4}) ([0-9a-f]{4})  (.+)$", re.M)
-# Where str.splitlines breaks a line besides "\n".
-_OTHER_BREAKS = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+_OTHER_BREAKS = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+"""Where str.splitlines breaks a line besides "\n"."""
 
 
 @dataclass(slots=True)
@@ -117,7 +117,7 @@ def _read_index(path: Path) -> _Index:
         return _Index()
     except OSError as error:
         raise PciIdsError(str(path), 0, error.strerror or str(error)) from error
-    if _OTHER_BREAKS.search(text):
+    if any(mark in text for mark in _OTHER_BREAKS):
         text = "\n".join(text.splitlines())
     index, suspect = _build_index(text)
     if suspect:
