@@ -18,7 +18,8 @@ Targets (PASS/FAIL): DRA exec->GetInfo <= 1.2x the floor, NodePrepare p50 and CP
 <= 1.5x, idle RSS <= 1.3x (on the 8-GPU node); on 4,096 functions NodePrepare p99 < 50 ms and
 slices < 1 s; device plugin exec->Register and RSS <= 1.2x its floor (both nodes).
 CDI specs go to tmpfs (/dev/shm), as /var/run/cdi is on a node; state stays on disk.
-Run: `python -m bench.lean [--rounds N] [--cycles N] [--only dra|plugin]` (or `./dev.sh bench`).
+Run: `python -m bench.lean [--rounds N] [--cycles N] [--only dra|plugin] [--node gpus|4096]`
+(or `./dev.sh bench`).
 """
 
 from __future__ import annotations
@@ -301,6 +302,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--cycles", type=int, default=CYCLES)
     parser.add_argument("--only", choices=["dra", "plugin"])
+    parser.add_argument("--node", choices=["gpus", "4096"], help="one of the two nodes only")
     args = parser.parse_args()
     daemons = [args.only] if args.only else ["plugin", "dra"]
     nodes = [
@@ -322,6 +324,8 @@ def main() -> int:
             PLUGIN_TARGETS,
         ),
     ]
+    if args.node:
+        nodes = nodes[:1] if args.node == "gpus" else nodes[1:]
     for node in nodes:
         bench_node(node, daemons, args.rounds, args.cycles)
     print(f"medians of {args.rounds} alternating rounds, {args.cycles} cycles each")
