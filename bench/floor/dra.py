@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from bench.floor import serve_until_terminated
 from dra.pluginregistration.v1 import api_pb2 as reg_pb2
 from dra.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from dra.v1 import api_pb2 as pb2
@@ -146,11 +146,7 @@ def main() -> None:
             Registration(args.driver, str(endpoint)),
         ),
     ]
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda number, frame: stopping.set())
-    stopping.wait()
-    for server in servers:
-        server.stop(0.2).wait()
+    serve_until_terminated(servers)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Run: `python -m bench.floor.plugin --root DIR --kubelet-dir DIR`; stops on SIGTE
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -21,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from bench.floor import serve_until_terminated
 from deviceplugin.v1beta1 import api_pb2 as pb2
 from deviceplugin.v1beta1 import api_pb2_grpc as pb2_grpc
 
@@ -98,10 +98,7 @@ def main() -> None:
                 pb2.RegisterRequest(version="v1beta1", endpoint=endpoint, resource_name=name),
                 timeout=10,
             )
-    signal.signal(signal.SIGTERM, lambda number, frame: stopping.set())
-    stopping.wait()
-    for server in servers:
-        server.stop(0.2).wait()
+    serve_until_terminated(servers, stopping)
 
 
 if __name__ == "__main__":
