@@ -5,25 +5,22 @@ Requests are built and authenticated by the official `kubernetes` client and sen
 connection pool; `api_http` reads the answers, each call under an overall deadline and a cap on
 its size. The driver works on the objects' JSON shape, which the API defines, rather than the
 client's generated classes.
+
+The client and the HTTP stack (`kubernetes`, urllib3: most of a start's imports) load with the
+first call, not with this module: the driver answers the kubelet before any of it is needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from kubernetes import client
+from dra.api_types import ApiError, MiB, Object
 
-from dra.api_http import (
-    ApiError,
-    MiB,
-    Object,
-    call,
-    install_deadlines,
-    parse_event,
-    query_of,
-    stream_lines,
-)
+if TYPE_CHECKING:
+    from kubernetes import client
 
 __all__ = ["ApiError", "ResourceApi"]
 CALL_SECONDS = 10.0
@@ -46,12 +43,35 @@ RESOURCE = "/apis/resource.k8s.io/v1"
 
 
 class ResourceApi:
-    """Nodes, ResourceClaims and ResourceSlices, as the driver needs them."""
+    """Nodes, ResourceClaims and ResourceSlices, as the driver needs them, through `api_client`
+    or, made with `loading`, through the client its loader makes at the first call."""
 
-    def __init__(self, api_client: client.ApiClient, *, call_seconds: float = CALL_SECONDS) -> None:
-        install_deadlines(api_client)
-        self._client = api_client
+    def __init__(
+        self, api_client: client.ApiClient | None = None, *, call_seconds: float = CALL_SECONDS
+    ) -> None:
+        self._client = None if api_client is None else _with_deadlines(api_client)
+        self._loader: Callable[[], client.ApiClient] | None = None
+        self._lock = threading.Lock()
         self._seconds = call_seconds
+
+    @classmethod
+    def loading(
+        cls, loader: Callable[[], client.ApiClient], *, call_seconds: float = CALL_SECONDS
+    ) -> ResourceApi:
+        """Calls through the client `loader` makes when first needed (by `load` or a call)."""
+        api = cls(call_seconds=call_seconds)
+        api._loader = loader
+        return api
+
+    def load(self) -> client.ApiClient:
+        """The client, made now if it was not yet; the loader's error if it cannot be made (a
+        call gets that error as an ApiError)."""
+        with self._lock:
+            if self._client is None:
+                if self._loader is None:
+                    raise ValueError("a ResourceApi needs an API client or a loader")
+                self._client = _with_deadlines(self._loader())
+            return self._client
 
     def read_node_uid(self, name: str) -> str:
         what = f"get node {name}"
@@ -71,6 +91,8 @@ class ResourceApi:
 
     def list_slices(self, node: str, driver: str) -> tuple[list[Object], str]:
         """This node's slices of this driver, and the list's resourceVersion to watch from."""
+        from dra.api_http import query_of
+
         what = "list resourceslices"
         listing = self._call(
             what,
@@ -119,7 +141,10 @@ class ResourceApi:
     ) -> Iterator[tuple[str, Object]]:
         """Events on this node's slices of this driver, from `resource_version`, until the
         server ends the watch (at most `timeout_seconds`, cut WATCH_GRACE_SECONDS later)."""
+        from dra.api_http import parse_event, query_of, stream_lines
+
         what = "watch resourceslices"
+        api_client = self._loaded(what)
         query = query_of(
             {
                 "fieldSelector": _slice_selector(node, driver),
@@ -130,7 +155,7 @@ class ResourceApi:
             }
         )
         for line in stream_lines(
-            self._client,
+            api_client,
             what,
             f"{RESOURCE}/resourceslices",
             seconds=timeout_seconds + WATCH_GRACE_SECONDS,
@@ -150,8 +175,10 @@ class ResourceApi:
         body: Object | None = None,
         limit: int = MAX_OBJECT_BYTES,
     ) -> Object:
+        from dra.api_http import call
+
         return call(
-            self._client,
+            self._loaded(what),
             what,
             method,
             path,
@@ -160,6 +187,20 @@ class ResourceApi:
             query=query or [],
             body=body,
         )
+
+    def _loaded(self, what: str) -> client.ApiClient:
+        try:
+            return self.load()
+        # The client's config loaders raise many kinds of error for a bad or missing kubeconfig.
+        except Exception as error:
+            raise ApiError(f"{what}: no API server configuration: {error}") from error
+
+
+def _with_deadlines(api_client: client.ApiClient) -> client.ApiClient:
+    from dra.api_http import install_deadlines
+
+    install_deadlines(api_client)
+    return api_client
 
 
 def _slice_selector(node: str, driver: str) -> str:

@@ -13,7 +13,9 @@ also read a whole error body into memory; reading here stops at a cap instead.
 
 from __future__ import annotations
 
+import heapq
 import http.client
+import itertools
 import json
 import socket
 import threading
@@ -23,16 +25,17 @@ from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import urllib3
-from kubernetes import client
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import ConnectTimeoutError
 from urllib3.response import BaseHTTPResponse
 
+from dra.api_types import ApiError, MiB, Object
 from hostdev.untrusted import quote_untrusted
 
-Object = dict[str, Any]
-MiB = 1024 * 1024
+if TYPE_CHECKING:
+    from kubernetes import client
+
 READ_SIZE = 64 * 1024
 CONNECT_SECONDS = 5.0
 # A GET that answered 503 with Retry-After is not retried here: urllib3 would sleep as long as the
@@ -40,33 +43,16 @@ CONNECT_SECONDS = 5.0
 RETRIES = urllib3.Retry(total=2, redirect=0, status=0, respect_retry_after_header=False)
 
 
-class ApiError(Exception):
-    """A call failed; `status` is the HTTP status, or None when the server was not reached."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-    @property
-    def conflict(self) -> bool:
-        return self.status == 409
-
-    @property
-    def not_found(self) -> bool:
-        return self.status == 404
-
-
 class Deadline:
     """One call's deadline: when it passes, every connection the call used is cut."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._at = time.monotonic() + seconds
+        self.at = time.monotonic() + seconds
         self._lock = threading.Lock()
         self._connections: list[_Cuttable] = []
         self._expired = False
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
+        self.cancelled = False
 
     @property
     def expired(self) -> bool:
@@ -74,13 +60,14 @@ class Deadline:
             return self._expired
 
     def remaining(self) -> float:
-        return max(0.001, self._at - time.monotonic())
+        return max(0.001, self.at - time.monotonic())
 
     def start(self) -> None:
-        self._timer.start()
+        _timers.add(self)
 
     def cancel(self) -> None:
-        self._timer.cancel()
+        with self._lock:
+            self.cancelled = True
 
     def watch(self, connection: _Cuttable) -> None:
         with self._lock:
@@ -90,12 +77,55 @@ class Deadline:
         if expired:
             connection.cut()
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         with self._lock:
+            # Its call ended: the connections it used are back in the pool, serving others.
+            if self.cancelled:
+                return
             self._expired = True
             connections = list(self._connections)
         for connection in connections:
             connection.cut()
+
+
+class _Timers:
+    """One thread expires every call's deadline when it passes. A timer thread per call cost a
+    prepare more than reading the claim's answer did (issue 22's profile)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._due: list[tuple[float, int, Deadline]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, deadline: Deadline) -> None:
+        with self._changed:
+            heapq.heappush(self._due, (deadline.at, next(self._order), deadline))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="api-deadlines", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                due = self._next_due()
+            due.expire()
+
+    def _next_due(self) -> Deadline:
+        """Wait (holding the condition) for the first deadline not cancelled to pass."""
+        while True:
+            while self._due and self._due[0][2].cancelled:
+                heapq.heappop(self._due)
+            if not self._due:
+                self._changed.wait()
+            elif (wait := self._due[0][0] - time.monotonic()) > 0:
+                self._changed.wait(wait)
+            else:
+                return heapq.heappop(self._due)[2]
+
+
+_timers = _Timers()
 
 
 _current = threading.local()

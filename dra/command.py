@@ -28,6 +28,7 @@ _DNS_SUBDOMAIN = re.compile(
 # A pod UID goes into socket file names: nothing but what a UID is made of.
 _INSTANCE_UID = re.compile(r"[A-Za-z0-9][-A-Za-z0-9]{0,62}")
 if TYPE_CHECKING:
+    from dra.api import ResourceApi
     from hostdev.labels.node_patch import NodeLabeler
 
 log = logging.getLogger("dra")
@@ -129,12 +130,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here so that the command's other subcommands start without gRPC and the client.
+    # Imported here so that the command's other subcommands start without gRPC. The API client
+    # (`kubernetes`, most of a start's imports) loads once the kubelet is served.
     from dra.api import ResourceApi
     from dra.driver import DraDriver, DriverSettings
     from dra.state import StateError
     from hostdev.errors import HostdevError
-    from hostdev.labels.kube_client import load_api_client
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -150,16 +151,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"kubevirt-iommufd dra: {error}", file=sys.stderr)
         return 2
-    try:
-        api_client = load_api_client(args.kubeconfig)
-        api = ResourceApi(api_client)
-    # The client's config loaders raise many kinds of error for a bad or missing kubeconfig.
-    except Exception as error:
-        print(
-            f"kubevirt-iommufd dra: no API server configuration: {error}; run in a pod with a"
-            " service account, or pass --kubeconfig",
-            file=sys.stderr,
-        )
+    api = ResourceApi.loading(lambda: _load_api_client(args.kubeconfig))
+    # Labelling the node needs the client at once; otherwise it loads after the kubelet is served.
+    if args.label_node and not _api_client_loaded(api):
         return 2
     names = PciIds(config.pci_ids) if config.pci_ids else PciIds.find()
     settings = DriverSettings(
@@ -188,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     labels = build_label_publisher(
         feature_file_path(args.feature_file, config, args.root, "dra"),
         "dra",
-        _node_labeler(api_client, args.node_name) if args.label_node else None,
+        _node_labeler(api.load(), args.node_name) if args.label_node else None,
     )
     try:
         driver = DraDriver(settings, config, names, api, labels=labels)
@@ -196,10 +190,34 @@ def run(args: argparse.Namespace) -> int:
     except (HostdevError, StateError, OSError) as error:
         print(f"kubevirt-iommufd dra: {error}", file=sys.stderr)
         return 1
+    if not _api_client_loaded(api):
+        driver.stop()
+        return 2
     stopping.wait()
     driver.stop()
     log.info("stopped")
     return 0
+
+
+def _load_api_client(kubeconfig: Path | None) -> Any:
+    from hostdev.labels.kube_client import load_api_client
+
+    return load_api_client(kubeconfig)
+
+
+def _api_client_loaded(api: ResourceApi) -> bool:
+    """Load the API client now; False, with the reason said, when there is no configuration."""
+    try:
+        api.load()
+    # The client's config loaders raise many kinds of error for a bad or missing kubeconfig.
+    except Exception as error:
+        print(
+            f"kubevirt-iommufd dra: no API server configuration: {error}; run in a pod with a"
+            " service account, or pass --kubeconfig",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 def _node_labeler(api_client: Any, node: str) -> NodeLabeler:

@@ -2,31 +2,37 @@
 
 Each subcommand lives in its own module exposing `add_parser(commands)`, which registers the
 subcommand and sets `run(args) -> int` as its default; this module only wires them together.
+A daemon's start imports its own subcommand's module alone: when the first argument names a
+subcommand, only that module is loaded (tests/test_start_imports.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-from deviceplugin import command as plugin_command
-from dra import command as dra_command
 from hostdev.errors import HostdevError
-from kubevirt_iommufd import (
-    bind_command,
-    certs_command,
-    demo_command,
-    dra_classes_command,
-    inspect_command,
-)
-from launcher_hook import command as hook_command
-from webhook import command as webhook_command
 
 PROG = "kubevirt-iommufd"
+COMMANDS = {
+    "inspect": "kubevirt_iommufd.inspect_command",
+    "bind": "kubevirt_iommufd.bind_command",
+    "unbind": "kubevirt_iommufd.bind_command",
+    "plugin": "deviceplugin.command",
+    "dra": "dra.command",
+    "dra-classes": "kubevirt_iommufd.dra_classes_command",
+    "webhook": "webhook.command",
+    "hook": "launcher_hook.command",
+    "demo": "kubevirt_iommufd.demo_command",
+    "certs": "kubevirt_iommufd.certs_command",
+}
+"""Each subcommand's module, in the order `--help` lists them (a module may register several)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of `command` alone."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description=(
@@ -35,20 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    inspect_command.add_parser(commands)
-    bind_command.add_parser(commands)
-    plugin_command.add_parser(commands)
-    dra_command.add_parser(commands)
-    dra_classes_command.add_parser(commands)
-    webhook_command.add_parser(commands)
-    hook_command.add_parser(commands)
-    demo_command.add_parser(commands)
-    certs_command.add_parser(commands)
+    wanted = [COMMANDS[command]] if command in COMMANDS else COMMANDS.values()
+    for module in dict.fromkeys(wanted):
+        importlib.import_module(module).add_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(arguments[0] if arguments else None).parse_args(arguments)
     try:
         result: int = args.run(args)
     except HostdevError as error:

@@ -73,10 +73,25 @@ def test_without_a_database_every_name_is_none(tmp_path: Path) -> None:
         ("10de  NVIDIA\n\t23x0  Bad id\n", 2),
         ("\t2330  device before any vendor\n", 1),
         ("10de  NVIDIA\n\t\t10de  subsystem with one id\n", 2),
+        ("10de  NVIDIA\n\t2330  H100\n15b3  Mellanox\n\t\t15b3 0061  before a device\n", 4),
+        ("10de  NVIDIA\n\t02  a subclass below a vendor\n", 2),
+        ("10de  NVIDIA\nC 03  Display controller\n\t2330  a device below a class\n", 3),
+        ("C 03  Display controller\n\t\t00  an interface before a subclass\n", 2),
     ],
-    ids=["vendor-one-space", "bad-hex", "orphan-device", "short-subsystem"],
+    ids=[
+        "vendor-one-space",
+        "bad-hex",
+        "orphan-device",
+        "short-subsystem",
+        "subsystem-first-in-another-vendor",
+        "subclass-under-vendor",
+        "device-under-class",
+        "prog-if-first",
+    ],
 )
 def test_malformed_database_names_file_and_line(tmp_path: Path, text: str, line: int) -> None:
+    """Whichever name is asked: the whole file is checked at the first look-up, though only
+    the vendors asked for are parsed."""
     names = sample(tmp_path, text)
     with pytest.raises(PciIdsError) as caught:
         names.vendor_name(0x10DE)
