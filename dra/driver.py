@@ -42,7 +42,7 @@ from dra.health_judge import (
     same_health,
 )
 from dra.health_stream import HealthStreams
-from dra.host_cache import HostCache
+from dra.host_cache import HostCache, parse_published, published_json
 from dra.kubelet_sockets import KubeletSockets, serialize_lock_path
 from dra.prepare import ClaimPreparer, ClaimsChanged
 from dra.prepare_plan import Paths
@@ -70,6 +70,9 @@ BASELINES_FILE = "aer-baselines.json"
 the other instance of a rolling update or this driver after a restart. Without them a judge that
 starts after a fatal error takes its count for the baseline and calls the device healthy while
 the instance that saw it taints it: two publishers of one pool rewriting the taint for good."""
+PUBLISHED_FILE = "published-devices.json"
+"""Under the state directory: the devices last published, for whichever instance reads the host
+next (HostCache.remember)."""
 CLAIMS_FOLLOW_SECONDS = 0.2
 """How often the claim records are looked at for another instance's prepares and unprepares."""
 # The container runtime (root) reads the CDI specs and bind-mounts the metadata files into the
@@ -128,6 +131,8 @@ class DraDriver:
         self._health = HealthState()
         self._aer: dict[Bdf, AerCounts | None] = {}
         self._baselines: dict[str, Baseline] = {}
+        self._remembered: tuple[DraDevice, ...] = ()
+        """The devices as last written for the next instance (HostCache.remember)."""
         """As last written for the next judge to start (dra.health_memory)."""
         self.host = HostCache(settings.root, config, names)
         self.store = ClaimStore(settings.state_dir)
@@ -236,6 +241,8 @@ class DraDriver:
         self.store.load()
         for line in self.preparer.recover():
             log.warning("start-up recovery: %s", line)
+        self._remembered = parse_published(_read_json(self.settings.state_dir / PUBLISHED_FILE))
+        self.host.remember(self._remembered)
         self.host.scan()
 
     def _make_directories(self) -> None:
@@ -375,6 +382,7 @@ class DraDriver:
         before = self._health.health
         self._health = judge_health(self._health, devices, signals, time.time())
         self._record_baselines()
+        self._record_published()
         bdfs = {d.name: d.bdf for d in devices} | {n: b for b, n in prepared.items()}
         for old, new in diff_health(before, self._health.health):
             if old is not None or new.health is not Health.HEALTHY:
@@ -391,6 +399,23 @@ class DraDriver:
             self._on_health(self._health.health)
         except Exception:
             log.exception("handing on the devices' health failed")
+
+    def _record_published(self) -> None:
+        devices = self.host.devices
+        if devices == self._remembered:
+            return
+        self._remembered = devices
+        data = json.dumps(published_json(devices), indent=1).encode()
+        try:
+            write_file_atomically(
+                self.settings.state_dir / PUBLISHED_FILE, data, 0o600, directory_mode=RECORDS_MODE
+            )
+        except OSError as error:
+            log.error(
+                "cannot keep the published devices for the next start: %s; an instance started"
+                " next leaves out those unusable by then",
+                error,
+            )
 
     def _record_baselines(self) -> None:
         baselines = build_baselines(self._health)
@@ -411,14 +436,18 @@ class DraDriver:
 
 def read_baselines(path: Path) -> dict[str, Baseline]:
     """The baselines another judge left; none when there are none or the file is unreadable."""
+    return parse_baselines(_read_json(path))
+
+
+def _read_json(path: Path) -> object:
+    """A hint another instance left; None when there is none or it is unreadable."""
     try:
-        data = json.loads(path.read_bytes())
+        return json.loads(path.read_bytes())
     except FileNotFoundError:
-        return {}
+        return None
     except (OSError, ValueError, RecursionError) as error:
-        log.warning("ignoring the fatal PCIe error counts in %s: %s", path, error)
-        return {}
-    return parse_baselines(data)
+        log.warning("ignoring %s: %s", path, error)
+        return None
 
 
 def _take(events: queue.SimpleQueue[Event], timeout: float) -> list[Event]:

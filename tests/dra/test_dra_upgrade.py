@@ -432,6 +432,31 @@ def test_a_fatal_error_before_the_new_instance_started_keeps_its_taint_and_no_fi
     assert [h.health for h in old.device_health if h.device == GPU_DEVICE] == [Health.UNHEALTHY]
 
 
+def test_a_device_unusable_before_the_new_instance_started_and_no_fight(node: Node) -> None:
+    old = node.driver(OLD)
+    node.kubelet.wait_registered(DRIVER)
+    # Out of its IOMMU group: the old instance keeps publishing it, unusable and tainted.
+    (node.root / "sys/bus/pci/devices" / GPU / "iommu_group").unlink()
+    (node.root / "sys/kernel/iommu_groups/14/devices" / GPU).unlink()
+
+    def gpu_entries() -> list[dict[str, object]]:
+        return [
+            d
+            for s in node.apiserver.slices(NODE, DRIVER)
+            for d in s["spec"]["devices"]
+            if d["name"] == GPU_DEVICE
+        ]
+
+    assert node.apiserver.wait_until(
+        lambda: [bool(d.get("taints")) for d in gpu_entries()] == [True], timeout=10
+    ), (old.device_health, gpu_entries())
+    node.driver(NEW)
+    node.kubelet.wait_registered(DRIVER, count=2)
+    assert _settled(node), "the two instances keep rewriting the slices"
+    assert [bool(d.get("taints")) for d in gpu_entries()] == [True]
+    assert [h.health for h in old.device_health if h.device == GPU_DEVICE] == [Health.UNHEALTHY]
+
+
 def _settled(node: Node) -> bool:
     """Whether the slice writes stop (two writers waking each other never do)."""
 
