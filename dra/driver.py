@@ -15,6 +15,7 @@ error counters, which send no event, it reads every `aer_poll_interval` seconds 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -29,9 +30,19 @@ from dra.binding import OnDemandBinder
 from dra.claims import ClaimRef
 from dra.devices import DraDevice
 from dra.health import DeviceHealth, Health
-from dra.health_judge import HealthState, HostSignals, diff_health, judge_health, same_health
+from dra.health_judge import (
+    Baseline,
+    HealthState,
+    HostSignals,
+    baselines_json,
+    build_baselines,
+    diff_health,
+    judge_health,
+    parse_baselines,
+    same_health,
+)
 from dra.health_stream import HealthStreams
-from dra.host_cache import HostCache
+from dra.host_cache import HostCache, parse_published, published_json
 from dra.kubelet_sockets import KubeletSockets, serialize_lock_path
 from dra.prepare import ClaimPreparer, ClaimsChanged
 from dra.prepare_plan import Paths
@@ -41,6 +52,7 @@ from dra.servicer import DraServicerV1, DraServicerV1beta1
 from dra.slices import TaintEffect
 from dra.state import RECORDS_MODE, ClaimStore
 from hostdev.aer import AerCounts, read_aer_counts
+from hostdev.atomic_file import write_file_atomically
 from hostdev.bdf import Bdf
 from hostdev.binding.bind import HostAccess
 from hostdev.config import PluginConfig
@@ -53,6 +65,14 @@ from hostdev.labels.publisher import LabelPublisher
 from hostdev.pciids import PciIds
 
 log = logging.getLogger(__name__)
+BASELINES_FILE = "aer-baselines.json"
+"""Under the state directory: the judge's fatal-error baselines for whichever judge starts next,
+the other instance of a rolling update or this driver after a restart. Without them a judge that
+starts after a fatal error takes its count for the baseline and calls the device healthy while
+the instance that saw it taints it: two publishers of one pool rewriting the taint for good."""
+PUBLISHED_FILE = "published-devices.json"
+"""Under the state directory: the devices last published, for whichever instance reads the host
+next (HostCache.remember)."""
 CLAIMS_FOLLOW_SECONDS = 0.2
 """How often the claim records are looked at for another instance's prepares and unprepares."""
 # The container runtime (root) reads the CDI specs and bind-mounts the metadata files into the
@@ -110,6 +130,10 @@ class DraDriver:
         self._on_health = on_health
         self._health = HealthState()
         self._aer: dict[Bdf, AerCounts | None] = {}
+        self._baselines: dict[str, Baseline] = {}
+        self._remembered: tuple[DraDevice, ...] = ()
+        """The devices as last written for the next instance (HostCache.remember)."""
+        """As last written for the next judge to start (dra.health_memory)."""
         self.host = HostCache(settings.root, config, names)
         self.store = ClaimStore(settings.state_dir)
         self._paths = Paths(settings.cdi_dir, settings.state_dir / "metadata")
@@ -189,6 +213,7 @@ class DraDriver:
         """Recover and read the host, then serve the kubelet (GetInfo must answer at once), then
         publish in the background."""
         self.recover()
+        self._baselines = read_baselines(self.settings.state_dir / BASELINES_FILE)
         # Judged before the first publication: a device found unusable is tainted from the start.
         self._judge(self.devices, frozenset(), report=True)
         self.sockets.start()
@@ -216,6 +241,8 @@ class DraDriver:
         self.store.load()
         for line in self.preparer.recover():
             log.warning("start-up recovery: %s", line)
+        self._remembered = parse_published(_read_json(self.settings.state_dir / PUBLISHED_FILE))
+        self.host.remember(self._remembered)
         self.host.scan()
 
     def _make_directories(self) -> None:
@@ -350,9 +377,12 @@ class DraDriver:
             if needs_journal
             else frozenset(),
             reprobed=reprobed,
+            recorded=self._baselines,
         )
         before = self._health.health
         self._health = judge_health(self._health, devices, signals, time.time())
+        self._record_baselines()
+        self._record_published()
         bdfs = {d.name: d.bdf for d in devices} | {n: b for b, n in prepared.items()}
         for old, new in diff_health(before, self._health.health):
             if old is not None or new.health is not Health.HEALTHY:
@@ -369,6 +399,55 @@ class DraDriver:
             self._on_health(self._health.health)
         except Exception:
             log.exception("handing on the devices' health failed")
+
+    def _record_published(self) -> None:
+        devices = self.host.devices
+        if devices == self._remembered:
+            return
+        self._remembered = devices
+        data = json.dumps(published_json(devices), indent=1).encode()
+        try:
+            write_file_atomically(
+                self.settings.state_dir / PUBLISHED_FILE, data, 0o600, directory_mode=RECORDS_MODE
+            )
+        except OSError as error:
+            log.error(
+                "cannot keep the published devices for the next start: %s; an instance started"
+                " next leaves out those unusable by then",
+                error,
+            )
+
+    def _record_baselines(self) -> None:
+        baselines = build_baselines(self._health)
+        if baselines == self._baselines:
+            return
+        self._baselines = baselines
+        data = json.dumps(baselines_json(baselines), indent=1).encode()
+        path = self.settings.state_dir / BASELINES_FILE
+        try:
+            write_file_atomically(path, data, 0o600, directory_mode=RECORDS_MODE)
+        except OSError as error:
+            log.error(
+                "cannot keep the devices' fatal PCIe error counts for the next start: %s; an"
+                " instance started next takes errors from before it for none",
+                error,
+            )
+
+
+def read_baselines(path: Path) -> dict[str, Baseline]:
+    """The baselines another judge left; none when there are none or the file is unreadable."""
+    return parse_baselines(_read_json(path))
+
+
+def _read_json(path: Path) -> object:
+    """A hint another instance left; None when there is none or it is unreadable."""
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as error:
+        log.warning("ignoring %s: %s", path, error)
+        return None
 
 
 def _take(events: queue.SimpleQueue[Event], timeout: float) -> list[Event]:

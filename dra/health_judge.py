@@ -26,7 +26,7 @@ which moves the device to its host driver — a driver change — anyway.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dra.devices import DraDevice
 from dra.health import DeviceHealth, Health
@@ -61,6 +61,14 @@ class HealthState:
 
 
 @dataclass(frozen=True, slots=True)
+class Baseline:
+    """A device's driver and TOTAL_ERR_FATAL when it was last (re)bound, as a judge recorded it."""
+
+    driver: str
+    fatal: int
+
+
+@dataclass(frozen=True, slots=True)
 class HostSignals:
     """What the judge reads besides the devices, as the driver's event thread last saw it."""
 
@@ -73,6 +81,10 @@ class HostSignals:
     """Functions the driver bound to VFIO for a prepared claim (and has not begun giving back)."""
     reprobed: frozenset[Bdf] = frozenset()
     """Functions an unbind or bind event named since the last judgement."""
+    recorded: Mapping[str, Baseline] = field(default_factory=dict)
+    """Baselines by device name that another judge recorded (the other instance of a rolling
+    update, or this driver before a restart): a device new to this judge on the same driver
+    keeps the fatal errors counted since, instead of taking them as its baseline."""
 
 
 def judge_health(
@@ -98,6 +110,34 @@ def judge_health(
                 )
             )
     return HealthState(tuple(health), tracked)
+
+
+def build_baselines(state: HealthState) -> dict[str, Baseline]:
+    """What `HostSignals.recorded` takes: each device's driver and fatal baseline."""
+    return {
+        name: Baseline(t.driver, t.fatal_baseline)
+        for name, t in state.tracked.items()
+        if t.fatal_baseline is not None
+    }
+
+
+def parse_baselines(data: object) -> dict[str, Baseline]:
+    """The baselines `baselines_json` gave; entries of any other shape are left out (they are
+    only a hint: a device without one takes its counters as they are, as on a first start)."""
+    if not isinstance(data, dict):
+        return {}
+    baselines: dict[str, Baseline] = {}
+    for name, entry in data.items():
+        if not isinstance(entry, dict):
+            continue
+        driver, fatal = entry.get("driver"), entry.get("fatal")
+        if isinstance(driver, str) and type(fatal) is int and fatal >= 0:
+            baselines[name] = Baseline(driver, fatal)
+    return baselines
+
+
+def baselines_json(baselines: Mapping[str, Baseline]) -> dict[str, dict[str, str | int]]:
+    return {name: {"driver": b.driver, "fatal": b.fatal} for name, b in sorted(baselines.items())}
 
 
 def diff_health(
@@ -130,7 +170,13 @@ def _track(before: Tracked | None, device: DraDevice, signals: HostSignals, now:
     counts = signals.aer.get(device.bdf)
     fatal = counts.fatal if counts is not None else None
     if before is None or before.driver != driver or device.bdf in signals.reprobed:
-        return _first_seen(device, driver, fatal, now)
+        first = _first_seen(device, driver, fatal, now)
+        new_here = before is None and device.bdf not in signals.reprobed
+        recorded = signals.recorded.get(device.name) if new_here else None
+        # Counters going down since the record mean a new device at that address.
+        if recorded is None or recorded.driver != driver or fatal is None or recorded.fatal > fatal:
+            return first
+        return replace(first, fatal_baseline=recorded.fatal)
     baseline = before.fatal_baseline
     if baseline is None or (fatal is not None and fatal < baseline):
         baseline = fatal

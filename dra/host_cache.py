@@ -11,10 +11,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
-from dra.devices import DraDevice, build_devices, judge_function
+from dra.devices import DraDevice, build_devices, device_name, judge_function
 from dra.prepare_plan import GONE
-from hostdev.bdf import Bdf
+from hostdev.bdf import Bdf, is_bdf
 from hostdev.config import PluginConfig
 from hostdev.model import HostCapabilities, HostInventory
 from hostdev.pciids import PciIds
@@ -50,6 +52,15 @@ class HostCache:
         if inventory is None:
             return frozenset()
         return frozenset(b for b in bdfs if inventory.function(b) is not None)
+
+    def remember(self, devices: Iterable[DraDevice]) -> None:
+        """Devices published before this cache first read the host (by the other instance of a
+        rolling update, or this driver before a restart): the first reading keeps those that
+        turned unusable meanwhile, as if it had published them itself. Without them two
+        instances publishing one pool disagree on the device and rewrite it in and out."""
+        with self._lock:
+            if self._inventory is None:
+                self._devices = tuple(devices)
 
     def scan(self, changed: frozenset[Bdf] | None = None) -> None:
         """Read the `changed` functions (with their groups), or the whole host, again and work
@@ -96,3 +107,50 @@ def _with_groups(inventory: HostInventory, bdfs: Iterable[Bdf]) -> set[Bdf]:
         if group is not None:
             wanted |= {m.bdf for m in group.members if m.bdf is not None}
     return wanted
+
+
+def published_json(devices: Iterable[DraDevice]) -> list[dict[str, Any]]:
+    """What `parse_published` reads back: what an unusable device keeps of its publication."""
+    return [
+        {
+            "bdf": str(d.bdf),
+            "resource": d.resource,
+            "attributes": dict(d.attributes),
+            "group": d.group,
+            "resetAfterUse": d.reset_after_use,
+        }
+        for d in devices
+    ]
+
+
+def parse_published(data: object) -> tuple[DraDevice, ...]:
+    """The devices `published_json` gave; entries of any other shape are left out (it is only a
+    hint: a device left out is judged as on a first start)."""
+    devices: list[DraDevice] = []
+    for entry in data if isinstance(data, list) else ():
+        if not isinstance(entry, dict):
+            continue
+        bdf, resource, attributes = entry.get("bdf"), entry.get("resource"), entry.get("attributes")
+        group, reset = entry.get("group"), entry.get("resetAfterUse")
+        if not (
+            isinstance(bdf, str)
+            and is_bdf(bdf)
+            and isinstance(resource, str)
+            and isinstance(attributes, dict)
+            and all(isinstance(v, str | int | bool) for v in attributes.values())
+            and type(group) is int
+            and isinstance(reset, bool)
+        ):
+            continue
+        devices.append(
+            DraDevice(
+                name=device_name(Bdf.parse(bdf)),
+                bdf=Bdf.parse(bdf),
+                resource=resource,
+                attributes=MappingProxyType(attributes),
+                device_nodes=(),
+                group=group,
+                reset_after_use=reset,
+            )
+        )
+    return tuple(devices)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -266,8 +267,7 @@ class ClaimStore:
             write_file_atomically(self._unprepared / uid, b"", 0o600, directory_mode=RECORDS_MODE)
             cutoff = time.time() - _MARKS_KEPT_SECONDS
             for mark in self._unprepared.iterdir():
-                if mark.lstat().st_mtime < cutoff:
-                    mark.unlink(missing_ok=True)
+                _remove_if_older(mark, cutoff)
         except OSError as error:
             raise StateError(
                 f"cannot mark {uid} unprepared in {self._unprepared}: {error.strerror}"
@@ -298,6 +298,17 @@ class ClaimStore:
                 if str(error) != said:
                     said = str(error)
                     log.error("re-reading the prepared claims failed: %s", error)
+
+
+def _remove_if_older(mark: Path, cutoff: float) -> None:
+    """A mark (or a link or file someone left among them) older than `cutoff` goes; a
+    directory is not ours to remove and stays. One the other instance removed first is gone."""
+    try:
+        info = mark.lstat()
+        if info.st_mtime < cutoff and not stat.S_ISDIR(info.st_mode):
+            mark.unlink()
+    except FileNotFoundError:
+        return
 
 
 _Stamp = tuple[int, int, int, int]

@@ -31,7 +31,8 @@ def parse_aer_total(text: str, total: str) -> int | None:
     """The `total` line's count; None when the file has none (not a file of this format)."""
     for line in text.splitlines():
         name, _, count = line.rpartition(" ")
-        if name == total and count.isdigit():
+        # isdigit alone takes digits int() refuses (superscripts).
+        if name == total and count.isascii() and count.isdigit():
             return int(count)
     return None
 
@@ -43,7 +44,7 @@ def read_aer_counts(root: Path, bdf: Bdf) -> AerCounts | None:
     try:
         fatal = parse_aer_total((device / FATAL_FILE).read_text(), FATAL_TOTAL)
         nonfatal = parse_aer_total((device / NONFATAL_FILE).read_text(), NONFATAL_TOTAL)
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
     if fatal is None or nonfatal is None:
         return None

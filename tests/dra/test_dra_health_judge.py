@@ -12,8 +12,10 @@ from dra.devices import DraDevice, device_name
 from dra.health import Health
 from dra.health_judge import (
     NODES_GRACE,
+    Baseline,
     HealthState,
     HostSignals,
+    build_baselines,
     diff_health,
     judge_health,
     same_health,
@@ -51,6 +53,7 @@ class Step:
     reprobed: bool = False
     claims: dict[Bdf, str] = field(default_factory=dict)
     bound_for_claims: frozenset[Bdf] = frozenset()
+    recorded: Baseline | None = None
 
 
 def run(steps: list[Step]) -> tuple[Health, str]:
@@ -61,6 +64,7 @@ def run(steps: list[Step]) -> tuple[Health, str]:
             claims=step.claims,
             bound_for_claims=step.bound_for_claims,
             reprobed=frozenset({BDF}) if step.reprobed else frozenset(),
+            recorded={NAME: step.recorded} if step.recorded else {},
         )
         state = judge_health(state, (step.device,), signals, step.at)
     (last,) = state.health
@@ -108,6 +112,26 @@ CASES = {
     ),
     "fatal errors from before the driver started are its baseline": (
         [Step(gpu(), AerCounts(3, 0))],
+        Health.HEALTHY,
+        "",
+    ),
+    "a fatal error another judge counted from its baseline (a rolling update's old instance)": (
+        [Step(gpu(), AerCounts(1, 0), recorded=Baseline("vfio-pci", 0))],
+        Health.UNHEALTHY,
+        "1 fatal PCIe error (AER) since it was bound to vfio-pci",
+    ),
+    "a baseline recorded on another driver: re-probed since": (
+        [Step(gpu(), AerCounts(1, 0), recorded=Baseline("nvidia", 0))],
+        Health.HEALTHY,
+        "",
+    ),
+    "a baseline recorded above the counters: a new device at the address": (
+        [Step(gpu(), AerCounts(1, 0), recorded=Baseline("vfio-pci", 2))],
+        Health.HEALTHY,
+        "",
+    ),
+    "a baseline recorded, and a re-probe event": (
+        [Step(gpu(), AerCounts(1, 0), reprobed=True, recorded=Baseline("vfio-pci", 0))],
         Health.HEALTHY,
         "",
     ),
@@ -203,3 +227,15 @@ def test_changes_are_the_devices_whose_health_moved() -> None:
 def test_pending_says_whether_time_alone_changes_the_judgement() -> None:
     assert judge_health(HealthState(), (PENDING,), HostSignals(), 1.0).pending()
     assert not judge_health(HealthState(), (gpu(),), HostSignals(), 1.0).pending()
+
+
+def test_a_judge_started_later_from_the_recorded_baselines_agrees() -> None:
+    first = judge_health(HealthState(), (gpu(),), HostSignals(aer={BDF: AerCounts(0, 0)}), 1.0)
+    after = HostSignals(aer={BDF: AerCounts(1, 0)})
+    first = judge_health(first, (gpu(),), after, 2.0)
+    assert build_baselines(first) == {NAME: Baseline("vfio-pci", 0)}
+    later = judge_health(
+        HealthState(), (gpu(),), replace(after, recorded=build_baselines(first)), 2.0
+    )
+    assert same_health(later.health, first.health)
+    assert later.health[0].health is Health.UNHEALTHY

@@ -4,7 +4,9 @@ naming the file and the field, and their directory made root's alone whatever th
 from __future__ import annotations
 
 import json
+import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -168,3 +170,24 @@ def test_a_symlinked_records_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsafeDirectory, match="claims is a symbolic link; make it a real"):
         ClaimStore(tmp_path).load()
     assert not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_marking_unprepared_ignores_what_else_lies_among_old_marks(tmp_path: Path) -> None:
+    # A directory or a link someone left among the marks, an hour old: the sweep of old marks
+    # must neither fail the unprepare (the kubelet would retry it for ever) nor follow the link.
+    store = ClaimStore(tmp_path)
+    store.load()
+    store.mark_unprepared("first")
+    marks = tmp_path / "unprepared"
+    (marks / "a-directory").mkdir()
+    (marks / "a-directory" / "inside").write_bytes(b"")
+    target = tmp_path / "outside"
+    target.write_bytes(b"kept")
+    (marks / "a-link").symlink_to(target)
+    old = time.time() - 7200
+    for path in (marks / "first", marks / "a-directory", marks / "a-link"):
+        os.utime(path, (old, old), follow_symlinks=False)
+    store.mark_unprepared("second")
+    assert sorted(p.name for p in marks.iterdir()) == ["a-directory", "second"]
+    assert target.read_bytes() == b"kept"
+    assert store.unprepared_mark("second") is not None

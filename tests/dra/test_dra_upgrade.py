@@ -29,6 +29,7 @@ import dra.driver
 import dra.state
 from dra.api import ResourceApi
 from dra.driver import DraDriver
+from dra.health import Health
 from dra.kubelet_sockets import dra_socket_path, registration_socket_path, serialize_lock_path
 from dra.serialize_lock import SerializeLock, SerializeLockBusy
 from dra.state import ClaimStore, PreparedClaim, PreparedDevice
@@ -41,7 +42,7 @@ from hostdev.grpc_socket import GrpcSocketServer
 from hostdev.pciids import PciIds
 from sim.apiserver import AllocatedDevice, ApiServerStandIn, build_resource_claim
 from sim.dra_kubelet import Claim, DRAKubeletStandIn
-from sim.host import BuildHost, FunctionSpec, HostSpec
+from sim.host import BuildHost, FunctionSpec, HostSpec, report_aer_error
 from sim.kernel import KernelSimulator
 from test_dra_on_demand import AUDIO, BEFORE, GPU, GPU_DEVICE, ON_DEMAND, desktop_gpu
 
@@ -404,6 +405,77 @@ def test_both_publish_the_same_pool_and_settle(node: Node) -> None:
     assert published() == [GPU_DEVICE]
 
 
+def test_a_fatal_error_before_the_new_instance_started_keeps_its_taint_and_no_fight(
+    node: Node,
+) -> None:
+    old = node.driver(OLD)
+    node.kubelet.wait_registered(DRIVER)
+    report_aer_error(node.root, GPU, fatal=True)
+
+    def tainted() -> bool:
+        return any(
+            d.get("taints")
+            for s in node.apiserver.slices(NODE, DRIVER)
+            for d in s["spec"]["devices"]
+            if d["name"] == GPU_DEVICE
+        )
+
+    assert node.apiserver.wait_until(tainted, timeout=10)
+    new = node.driver(NEW)
+    node.kubelet.wait_registered(DRIVER, count=2)
+    # The error came before the new instance looked, and no reset since: it is as unhealthy to
+    # the new one as to the old. Two that disagreed would rewrite the taint in and out for good.
+    assert _settled(node), "the two instances keep rewriting the slices"
+    assert tainted()
+    (judged,) = [h for h in new.device_health if h.device == GPU_DEVICE]
+    assert judged.health is Health.UNHEALTHY, judged
+    assert [h.health for h in old.device_health if h.device == GPU_DEVICE] == [Health.UNHEALTHY]
+
+
+def test_a_device_unusable_before_the_new_instance_started_and_no_fight(node: Node) -> None:
+    old = node.driver(OLD)
+    node.kubelet.wait_registered(DRIVER)
+    # Out of its IOMMU group: the old instance keeps publishing it, unusable and tainted.
+    (node.root / "sys/bus/pci/devices" / GPU / "iommu_group").unlink()
+    (node.root / "sys/kernel/iommu_groups/14/devices" / GPU).unlink()
+
+    def gpu_entries() -> list[dict[str, object]]:
+        return [
+            d
+            for s in node.apiserver.slices(NODE, DRIVER)
+            for d in s["spec"]["devices"]
+            if d["name"] == GPU_DEVICE
+        ]
+
+    assert node.apiserver.wait_until(
+        lambda: [bool(d.get("taints")) for d in gpu_entries()] == [True], timeout=10
+    ), (old.device_health, gpu_entries())
+    node.driver(NEW)
+    node.kubelet.wait_registered(DRIVER, count=2)
+    assert _settled(node), "the two instances keep rewriting the slices"
+    assert [bool(d.get("taints")) for d in gpu_entries()] == [True]
+    assert [h.health for h in old.device_health if h.device == GPU_DEVICE] == [Health.UNHEALTHY]
+
+
+def _settled(node: Node) -> bool:
+    """Whether the slice writes stop (two writers waking each other never do)."""
+
+    def slice_writes() -> int:
+        return sum(
+            1
+            for r in node.apiserver.requests
+            if r.method in ("POST", "PUT", "DELETE") and "resourceslices" in r.path
+        )
+
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        before = slice_writes()
+        time.sleep(1.5)
+        if slice_writes() == before:
+            return True
+    return False
+
+
 def test_an_unprepare_on_one_stops_a_prepare_whose_read_is_under_way_on_the_other(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -498,6 +570,7 @@ import dra.driver
 import dra.state
 from dra.api import ResourceApi
 from dra.driver import DraDriver
+from dra.health import Health
 from dra_kit import driver_settings
 from hostdev.binding.bind import HostAccess
 from hostdev.labels.kube_client import load_api_client

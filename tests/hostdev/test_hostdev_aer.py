@@ -25,10 +25,21 @@ TOTAL_ERR_FATAL 3
         ("TOTAL_ERR_FATAL 0\n", 0),
         ("Undefined 0\n", None),
         ("TOTAL_ERR_FATAL many\n", None),
+        ("TOTAL_ERR_FATAL -1\n", None),
+        ("TOTAL_ERR_FATAL \u00b2\n", None),
         ("TOTAL_ERR_NONFATAL 4\n", None),
         ("", None),
     ],
-    ids=["kernel sample", "total alone", "no total", "not a number", "the other total", "empty"],
+    ids=[
+        "kernel sample",
+        "total alone",
+        "no total",
+        "not a number",
+        "negative",
+        "a digit int() refuses",
+        "the other total",
+        "empty",
+    ],
 )
 def test_the_total_is_read_from_its_line(text: str, count: int | None) -> None:
     assert parse_aer_total(text, FATAL_TOTAL) == count
@@ -54,3 +65,16 @@ def test_no_counters_for_a_function_without_them(build_host: BuildHost) -> None:
     assert read_aer_counts(root, Bdf.parse(bdf)) is None
     remove_function(root, "0000:2a:00.0")
     assert read_aer_counts(root, Bdf.parse("0000:2a:00.0")) is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"TOTAL_ERR_FATAL \xff\xfe\n", "TOTAL_ERR_FATAL \u00b2\n".encode()],
+    ids=["not UTF-8", "superscript digit"],
+)
+def test_a_garbled_counter_file_is_no_counters(build_host: BuildHost, content: bytes) -> None:
+    # The driver's event thread reads these: a ValueError out of here would end it.
+    root = build_host(hgx_h100())
+    bdf = "0000:18:00.0"
+    (root / "sys/bus/pci/devices" / bdf / "aer_dev_fatal").write_bytes(content)
+    assert read_aer_counts(root, Bdf.parse(bdf)) is None
