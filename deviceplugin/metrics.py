@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from deviceplugin.iommufd_handoff import HandoffStats
+from hostdev.iommufd_handoff import HandoffStats
 
 
 class PluginMetrics:

@@ -1,6 +1,8 @@
 """The prepared iommufd hand-off: one-shot unix sockets that each pass one configured /dev/iommu fd.
 
-For every Allocate of `devices.kubevirt.io/iommufd`, `IommufdHandoff.prepare()` opens
+Used by both components: the device plugin per Allocate of its iommufd resource, the DRA driver
+per prepared claim on its iommufd slots (dra.iommufd). For every Allocate of
+`devices.kubevirt.io/iommufd`, `IommufdHandoff.prepare()` opens
 `<root>/dev/iommu`, switches it to per-process memlock accounting (`IOMMU_OPTION`) and binds a fresh
 socket `<socket_dir>/iommufd-<id>.sock`, which the plugin mounts at `CONTAINER_SOCKET_PATH` in the
 launcher. The wire protocol is KubeVirt's launcher's (`ReceiveIOMMUFD`): the first client to connect
@@ -41,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from deviceplugin.iommu_ioctl import set_rlimit_mode_per_process
 from hostdev.directories import make_directories
+from hostdev.iommu_ioctl import set_rlimit_mode_per_process
 from hostdev.unix_socket import MAX_SOCKET_PATH, bind_unix_socket_path
 
 log = logging.getLogger(__name__)
