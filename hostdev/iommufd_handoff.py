@@ -161,6 +161,22 @@ def read_selinux_enforcing(root: Path) -> bool:
         return False
 
 
+def socket_path(socket_dir: Path, allocation_id: str) -> Path:
+    """Where `prepare(allocation_id)` binds its socket."""
+    return socket_dir / f"iommufd-{allocation_id}.sock"
+
+
+def read_waiting_ids(socket_dir: Path) -> frozenset[str]:
+    """The allocation ids whose sockets are in `socket_dir` now: hand-offs a previous run
+    prepared and nobody took yet (a served or expired one leaves no file). Read before an
+    `IommufdHandoff` on the directory removes them."""
+    try:
+        found = [p for p in socket_dir.glob("iommufd-*.sock") if stat.S_ISSOCK(p.lstat().st_mode)]
+    except FileNotFoundError:
+        return frozenset()
+    return frozenset(p.name.removeprefix("iommufd-").removesuffix(".sock") for p in found)
+
+
 def _check_allocation_id(allocation_id: str) -> None:
     if not _ALLOCATION_ID.fullmatch(allocation_id) or ".." in allocation_id:
         raise InvalidAllocationId(allocation_id)
@@ -202,7 +218,7 @@ class IommufdHandoff:
     def prepare(self, allocation_id: str) -> PreparedSocket:
         """Open and configure an iommufd and start serving it once on a fresh socket."""
         _check_allocation_id(allocation_id)
-        path = self._config.socket_dir / f"iommufd-{allocation_id}.sock"
+        path = socket_path(self._config.socket_dir, allocation_id)
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise HandoffError(
                 f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes, the limit of a unix"
@@ -240,6 +256,12 @@ class IommufdHandoff:
             self._cancelled.add(allocation_id)
         self._wake()
         return True
+
+    def holds(self, allocation_id: str) -> bool:
+        """Whether a hand-off for `allocation_id` is pending (prepared, not yet served, expired,
+        failed or withdrawn)."""
+        with self._lock:
+            return allocation_id in self._ids and allocation_id not in self._cancelled
 
     def stats(self) -> HandoffStats:
         with self._lock:

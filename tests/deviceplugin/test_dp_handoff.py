@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dp_handoff_kit import fds_open_on, open_fd_count, receive_iommufd, wait_until
+from handoff_kit import fds_open_on, open_fd_count, receive_iommufd, wait_until
 from hostdev.iommu_ioctl import (
     IOMMU_OPTION,
     build_option,
