@@ -296,9 +296,9 @@ def test_the_device_class_selects_the_driver_the_daemonset_names() -> None:
 
 def test_the_device_plugins_resource_names_are_served_as_extended_resources() -> None:
     """Every device type the KubeVirt patch permits for the device plugin, and the iommufd
-    slots' resource, has a DeviceClass
-    with that name as its extended resource, selecting the driver's devices of that resource as
-    `dra-classes` builds it; valid from 1.34 (the generic check) to 1.36 and 1.37."""
+    slots' resource, has a DeviceClass with that name as its extended resource, selecting the
+    driver's devices of that resource as `dra-classes` builds it; valid from 1.34 (the generic
+    check) to 1.36 and 1.37."""
     driver = driver_args().driver_name
     patch = yaml.safe_load((MANIFESTS / "kubevirt/kubevirt-patch.yaml").read_text())
     permitted = patch["spec"]["configuration"]["permittedHostDevices"]["pciHostDevices"]
