@@ -42,10 +42,13 @@ COMPUTE_REQUEST = "container-2-request-6"
 SIDECAR_REQUEST = "container-3-request-2"
 
 
-def scheduler_claim(name: str, requests: dict[str, int]) -> dict[str, Any]:
+def scheduler_claim(
+    name: str, requests: dict[str, int], classes: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The claim as kube-scheduler creates it at PreBind (extendeddynamicresources.go:
     preFilterExtendedResources, createRequestsAndMappings, createExtendedResourceClaimInAPI)
-    and reserves it for the pod; `name` is what the API server made of the generateName."""
+    and reserves it for the pod; `name` is what the API server made of the generateName, and
+    each request asks for the class `classes` names for it (the GPUs' by default)."""
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -65,7 +68,7 @@ def scheduler_claim(name: str, requests: dict[str, int]) -> dict[str, Any]:
                     {
                         "name": request,
                         "exactly": {
-                            "deviceClassName": CLASS,
+                            "deviceClassName": (classes or {}).get(request, CLASS),
                             "allocationMode": "ExactCount",
                             "count": count,
                         },
