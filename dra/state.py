@@ -132,7 +132,7 @@ class PreparedClaim:
                 _slot(_object(item, f"slots[{index}]"), f"slots[{index}].")
                 for index, item in enumerate(_array(record, "slots") if "slots" in record else [])
             ),
-            handoff=_text(record, "handoff") if record.get("handoff") else "",
+            handoff=_text(record, "handoff") if "handoff" in record else "",
         )
 
 

@@ -367,3 +367,18 @@ def test_a_driver_killed_between_steps_strands_nothing(
         assert list(socket_dir.iterdir()) == []
         assert not (settings.cdi_dir / f"{DRIVER}-claim_{claim.uid}.json").exists()
         wait_until(lambda: not fds_open_on(iommu))
+
+
+def test_a_node_without_dev_iommu_refuses_the_claim_naming_the_fix(
+    node: tuple[Path, Path], apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient
+) -> None:
+    root, base = node
+    (root / "dev/iommu").unlink()
+    with running(root, base, api_client, config_with()) as (settings, kubelet):
+        claim = launcher_claim(apiserver, "vm-a", [(IOMMUFD_REQUEST, "iommufd-0")])
+        refused = kubelet.node_prepare_resources([claim])[claim.uid].error
+        assert f"claim vms/vm-a (uid {claim.uid}): cannot prepare its iommufd fd:" in refused
+        assert "dev/iommu does not exist: the kernel needs CONFIG_IOMMUFD" in refused
+        assert not (settings.cdi_dir / f"{DRIVER}-claim_{claim.uid}.json").exists()
+        assert list((settings.state_dir / "iommufd").iterdir()) == []
+        assert kubelet.node_unprepare_resources([claim]) == {claim.uid: ""}
