@@ -20,7 +20,6 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,15 +28,13 @@ import grpc
 import kubernetes.client
 import pytest
 
-from dra.api import ResourceApi
-from dra.driver import DraDriver, DriverSettings
+from dra.driver import DriverSettings
 from dra.iommufd_slots import SLOT_ATTRIBUTE
 from dra_cdi_schema_kit import validate_cdi_spec
-from dra_kit import DRIVER, NODE, driver_settings, short_directory
+from dra_kit import DRIVER, NODE, driver_settings, running_driver, short_directory
 from handoff_kit import fds_open_on, receive_iommufd, wait_until
 from hostdev.config import IOMMUFD_RESOURCE, PluginConfig, default_config
 from hostdev.iommufd_handoff import CONTAINER_SOCKET_PATH
-from hostdev.pciids import PciIds
 from k8s_schema_kit import assert_valid
 from sim.apiserver import AllocatedDevice, ApiServerStandIn
 from sim.dra_kubelet import Claim, DRAKubeletStandIn
@@ -56,21 +53,6 @@ SLOTS = 4
 def config_with(**iommufd: Any) -> PluginConfig:
     config = default_config()
     return replace(config, iommufd=replace(config.iommufd, slots=SLOTS, **iommufd))
-
-
-@contextmanager
-def running(
-    root: Path, base: Path, api_client: kubernetes.client.ApiClient, config: PluginConfig
-) -> Iterator[tuple[DriverSettings, DRAKubeletStandIn]]:
-    settings = driver_settings(root, base, 0.2)
-    driver = DraDriver(settings, config, PciIds(None), ResourceApi(api_client))
-    driver.start()
-    try:
-        with DRAKubeletStandIn(base / "kubelet", info_poll_interval=None) as kubelet:
-            kubelet.wait_registered(DRIVER)
-            yield settings, kubelet
-    finally:
-        driver.stop()
 
 
 @pytest.fixture
@@ -138,7 +120,7 @@ def test_the_slots_are_published_as_what_they_are(
     node: tuple[Path, Path], apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient
 ) -> None:
     root, base = node
-    with running(root, base, api_client, config_with()):
+    with running_driver(root, base, api_client, config_with()):
 
         def slots() -> list[dict[str, Any]]:
             return [
@@ -168,7 +150,7 @@ def test_a_launcher_pods_claim_gets_the_fd_once_as_from_the_device_plugin(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="hostdev.iommufd_handoff")
     root, base = node
-    with running(root, base, api_client, config_with()) as (settings, kubelet):
+    with running_driver(root, base, api_client, config_with()) as (settings, kubelet):
         claim = launcher_claim(
             apiserver,
             f"{POD}-extended-resources-4x7kq",
@@ -216,7 +198,7 @@ def test_a_handoff_nobody_takes_expires_and_unprepare_takes_one_back(
     root, base = node
     iommu = (root / "dev/iommu").resolve()
     config = config_with(handoff_timeout_seconds=0.5)
-    with running(root, base, api_client, config) as (settings, kubelet):
+    with running_driver(root, base, api_client, config) as (settings, kubelet):
         expiring = launcher_claim(apiserver, "expiring", [(IOMMUFD_REQUEST, "iommufd-0")])
         answer = kubelet.node_prepare_resources([expiring])[expiring.uid]
         socket_path = Path(
@@ -225,7 +207,7 @@ def test_a_handoff_nobody_takes_expires_and_unprepare_takes_one_back(
         assert socket_path.exists() and fds_open_on(iommu)
         wait_until(lambda: not socket_path.exists() and not fds_open_on(iommu))
         assert kubelet.node_unprepare_resources([expiring]) == {expiring.uid: ""}
-    with running(root, base, api_client, config_with()) as (settings, kubelet):
+    with running_driver(root, base, api_client, config_with()) as (settings, kubelet):
         withdrawn = launcher_claim(apiserver, "withdrawn", [(IOMMUFD_REQUEST, "iommufd-1")])
         answer = kubelet.node_prepare_resources([withdrawn])[withdrawn.uid]
         socket_path = Path(
@@ -244,7 +226,7 @@ def test_two_slots_of_one_request_share_the_handoff_and_two_requests_are_refused
     node: tuple[Path, Path], apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient
 ) -> None:
     root, base = node
-    with running(root, base, api_client, config_with()) as (settings, kubelet):
+    with running_driver(root, base, api_client, config_with()) as (settings, kubelet):
         shared = launcher_claim(
             apiserver, "shared", [(IOMMUFD_REQUEST, "iommufd-0"), (IOMMUFD_REQUEST, "iommufd-1")]
         )
@@ -345,7 +327,7 @@ def test_a_driver_killed_between_steps_strands_nothing(
     assert stat.S_ISSOCK(left.lstat().st_mode)
     records = sorted(p.stem for p in (settings.state_dir / "claims").glob("*.json"))
     assert records == ([claim.uid] if killed_at == "prepared" else [])
-    with running(root, base, api_client, config_with()) as (settings, kubelet):
+    with running_driver(root, base, api_client, config_with()) as (settings, kubelet):
         if killed_at == "prepared":
             # Its pod may not have started yet: the socket is served again, with a new fd.
             fd = receive_iommufd(left)
@@ -374,7 +356,7 @@ def test_a_node_without_dev_iommu_refuses_the_claim_naming_the_fix(
 ) -> None:
     root, base = node
     (root / "dev/iommu").unlink()
-    with running(root, base, api_client, config_with()) as (settings, kubelet):
+    with running_driver(root, base, api_client, config_with()) as (settings, kubelet):
         claim = launcher_claim(apiserver, "vm-a", [(IOMMUFD_REQUEST, "iommufd-0")])
         refused = kubelet.node_prepare_resources([claim])[claim.uid].error
         assert f"claim vms/vm-a (uid {claim.uid}): cannot prepare its iommufd fd:" in refused
