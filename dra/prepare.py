@@ -213,8 +213,17 @@ class ClaimPreparer:
             "prepared %s: %s",
             quote_untrusted(str(ref)),
             ", ".join(
-                f"{d.device} ({d.bdf}) for request {quote_untrusted(d.request)}"
-                for d in prepared.devices
+                [
+                    *(
+                        f"{d.device} ({d.bdf}) for request {quote_untrusted(d.request)}"
+                        for d in prepared.devices
+                    ),
+                    *(
+                        f"{s.device} (iommufd hand-off {prepared.handoff}) for request"
+                        f" {quote_untrusted(s.request)}"
+                        for s in prepared.slots
+                    ),
+                ]
             ),
         )
         return prepared
