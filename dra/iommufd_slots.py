@@ -12,12 +12,15 @@ A claim holding slots gets one hand-off: its CDI spec mounts the claim's socket 
 That path lies inside KubeVirt's "public" emptyDir (`/var/run/kubevirt`), so the socket's bind
 mount must come after the directory's own, or the emptyDir would hide it. The CDI library sorts
 every mount of the container's OCI spec by the depth of its destination when it applies a
-device's mounts (tags.cncf.io/container-device-interface pkg/cdi/container-edits.go:
-`ContainerEdits.Apply` calls `sortMounts`, a stable sort of `orderedMounts` whose `Less`
-compares `strings.Count(filepath.Clean(Destination), "/")`), and the runtime applies the CDI
-devices after the pod's volume mounts (containerd internal/cri/server/container_create_linux.go
-appends `customopts.WithCDI` last among the spec options): the socket (4 levels) is mounted
-after `/var/run/kubevirt` (3 levels).
+device's mounts (tags.cncf.io/container-device-interface pkg/cdi/container-edits.go at
+github.com/cncf-tags/container-device-interface 05ae4b5: `ContainerEdits.Apply` calls
+`sortMounts` after adding them, a `sort.Stable` of `orderedMounts` whose `Less` compares
+`strings.Count(filepath.Clean(Destination), "/")`), and the runtime injects CDI devices into a
+spec that already holds the pod's volume mounts (containerd internal/cri/server:
+container_create.go builds the spec with the CRI mounts, then applies the platform's spec
+options to it through `containerd.WithSpec(spec, specOpts...)`, container_create_linux.go
+appending `customopts.WithCDI` last among them): the socket (4 levels deep) is mounted after
+`/var/run/kubevirt` (3), whatever order the mounts came in.
 
 One hand-off per pod: a pod asks for the resource once, in its compute container, so a claim's
 slots all come from one request. Slots of one request share the hand-off (as the device plugin
