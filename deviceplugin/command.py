@@ -17,7 +17,7 @@ from hostdev.labels.publisher import add_label_arguments, build_label_publisher,
 from hostdev.pciids import PciIds
 
 if TYPE_CHECKING:
-    from deviceplugin.iommufd_handoff import IommufdHandoff
+    from hostdev.iommufd_handoff import IommufdHandoff
     from hostdev.labels.node_patch import NodeLabeler
 
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -177,7 +177,7 @@ def _node_labeler(args: argparse.Namespace) -> NodeLabeler:
 
 
 def _handoff(config: PluginConfig, root: Path) -> IommufdHandoff:
-    from deviceplugin.iommufd_handoff import HandoffConfig, HandoffError, IommufdHandoff
+    from hostdev.iommufd_handoff import HandoffConfig, HandoffError, IommufdHandoff
 
     iommufd = config.iommufd
     try:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from deviceplugin.iommufd_handoff import HandoffStats
+    from hostdev.iommufd_handoff import HandoffStats
 
 Labelled = dict[tuple[str, str], int]
 

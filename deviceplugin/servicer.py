@@ -20,9 +20,9 @@ from deviceplugin.allocation import (
 )
 from deviceplugin.feed import Feed
 from deviceplugin.inventory import VfioResource
-from deviceplugin.iommufd_handoff import CONTAINER_SOCKET_PATH, HandoffError, PreparedSocket
 from deviceplugin.v1beta1 import api_pb2
 from hostdev.device_nodes import IOMMU_NODE
+from hostdev.iommufd_handoff import CONTAINER_SOCKET_PATH, HandoffError, PreparedSocket
 
 log = logging.getLogger(__name__)
 

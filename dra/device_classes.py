@@ -7,6 +7,8 @@ On a node with no device plugin for such a name, kube-scheduler allocates the po
 from the class whose `extendedResourceName` it is, and writes the claim the driver then prepares
 (dra/claims.py). Each class selects this driver's devices of one resource by their `resourceName`
 attribute (dra/devices.py), so the class and the device plugin agree on which device is which.
+The iommufd slots carry it too (dra/iommufd_slots.py): the class of `devices.kubevirt.io/iommufd`
+serves the request our webhook, or KubeVirt's own `IOMMUFD` gate, adds to a launcher pod.
 """
 
 from __future__ import annotations
@@ -115,6 +117,12 @@ def plan_resource_names(
                 found[nvidia_resource_name(names.device_name(vendor, device), device)] = None
                 break
     return tuple(sorted(found))
+
+
+def plan_iommufd_resource_names(config: PluginConfig) -> tuple[str, ...]:
+    """The iommufd slots' resource name (`devices.kubevirt.io/iommufd` by default) when the
+    driver publishes slots (`iommufd.enabled`)."""
+    return (config.iommufd.resource_name,) if config.iommufd.enabled else ()
 
 
 def _selects_ids(resource: ResourceConfig, vendor: int, device: int) -> bool:

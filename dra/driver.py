@@ -43,6 +43,7 @@ from dra.health_judge import (
 )
 from dra.health_stream import HealthStreams
 from dra.host_cache import HostCache, parse_published, published_json
+from dra.iommufd_slots import build_slot_entries
 from dra.kubelet_sockets import KubeletSockets, serialize_lock_path
 from dra.prepare import ClaimPreparer, ClaimsChanged
 from dra.prepare_plan import Paths
@@ -60,6 +61,7 @@ from hostdev.device_events import DevicesChanged, UdevWatch
 from hostdev.device_watch import DeviceWatch
 from hostdev.directories import make_private_directory
 from hostdev.errors import HostdevError
+from hostdev.iommufd_handoff import HandoffConfig
 from hostdev.labels.node_labels import build_node_labels
 from hostdev.labels.publisher import LabelPublisher
 from hostdev.pciids import PciIds
@@ -136,7 +138,13 @@ class DraDriver:
         """As last written for the next judge to start (dra.health_memory)."""
         self.host = HostCache(settings.root, config, names)
         self.store = ClaimStore(settings.state_dir)
-        self._paths = Paths(settings.cdi_dir, settings.state_dir / "metadata")
+        handoff = build_handoff_config(settings, config)
+        self._paths = Paths(
+            settings.cdi_dir,
+            settings.state_dir / "metadata",
+            handoff.socket_dir if handoff else None,
+            config.iommufd.slots if handoff else 0,
+        )
         self._journal_dir = settings.state_dir / "bindings"
         self.binder = OnDemandBinder(
             HostAccess(root=settings.root, host_root=settings.host_root),
@@ -158,6 +166,7 @@ class DraDriver:
             serialize=SerializeLock(
                 serialize_lock_path(settings.kubelet_dir, settings.driver), settings.instance_uid
             ),
+            handoff=handoff,
         )
         self.publisher = SlicePublisher(
             api,
@@ -165,6 +174,7 @@ class DraDriver:
             settings.driver,
             (),
             taint_effect=settings.unhealthy_taint_effect,
+            slots=build_slot_entries(config.iommufd.resource_name, self._paths.slots),
         )
         # Events re-judge a device at once, but the periodic re-scan is the one check that always
         # comes: three re-scans missed (a stuck event thread) is when the kubelet should stop
@@ -264,6 +274,7 @@ class DraDriver:
         self.health.close()
         self.sockets.stop()
         self.publisher.stop()
+        self.preparer.close()
         if self._events_thread.is_alive():
             self._events_thread.join()
         if self._follower.is_alive():
@@ -448,6 +459,23 @@ def _read_json(path: Path) -> object:
     except (OSError, ValueError, RecursionError) as error:
         log.warning("ignoring %s: %s", path, error)
         return None
+
+
+def build_handoff_config(settings: DriverSettings, config: PluginConfig) -> HandoffConfig | None:
+    """The iommufd hand-off of claims on the driver's iommufd slots, as the device plugin's
+    (owner, mode, expiry from the shared configuration's `iommufd`), its sockets under the state
+    directory, a host path the runtime bind-mounts from; None when `iommufd.enabled` is false."""
+    iommufd = config.iommufd
+    if not iommufd.enabled:
+        return None
+    return HandoffConfig(
+        socket_dir=settings.state_dir / "iommufd",
+        root=settings.root,
+        owner_uid=iommufd.socket_uid,
+        owner_gid=iommufd.socket_gid,
+        mode=iommufd.socket_mode,
+        expiry_seconds=iommufd.handoff_timeout_seconds,
+    )
 
 
 def _take(events: queue.SimpleQueue[Event], timeout: float) -> list[Event]:

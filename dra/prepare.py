@@ -40,6 +40,7 @@ from dra.state import ClaimStore, PreparedClaim, StateError
 from hostdev.atomic_file import write_file_atomically
 from hostdev.bdf import Bdf
 from hostdev.errors import HostdevError
+from hostdev.iommufd_handoff import HandoffConfig, HandoffError, IommufdHandoff, read_waiting_ids
 from hostdev.untrusted import quote_untrusted
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class ClaimPreparer:
         changes: ChangeSink | None = None,
         binder: OnDemandBinder | None = None,
         serialize: SerializeLock | None = None,
+        handoff: HandoffConfig | None = None,
     ) -> None:
         self._driver = driver
         self._pool = pool
@@ -95,6 +97,10 @@ class ClaimPreparer:
         self._serialize = serialize
         """The same across every instance of the driver on the node (a rolling update runs two):
         held, with the records read again, wherever `_lock` is held for the claims' state."""
+        self._handoff_config = handoff
+        """Where and for whom claims on iommufd slots get their sockets (`paths.handoff_dir`);
+        the hand-off itself starts with `recover`."""
+        self._handoff: IommufdHandoff | None = None
 
     def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PreparedClaim | str]:
         answers: dict[str, PreparedClaim | str] = {}
@@ -127,9 +133,38 @@ class ClaimPreparer:
         serialize lock: a living instance binds and gives back only while holding it, so an
         entry found half-done here is a dead run's, never a bind the other instance is doing."""
         with self._serialized():
-            if self._binder is None:
-                return []
-            return self._binder.recover(c.uid for c in self._store)
+            lines = [] if self._binder is None else self._binder.recover(c.uid for c in self._store)
+            if self._handoff_config is not None and self._handoff is None:
+                lines += self._serve_handoffs(self._handoff_config)
+            return lines
+
+    def close(self) -> None:
+        """Stop the iommufd hand-off: every fd still waiting is closed, its socket removed."""
+        if self._handoff is not None:
+            self._handoff.close()
+
+    def _serve_handoffs(self, config: HandoffConfig) -> list[str]:
+        """Start the hand-off and serve again, each with a new fd, the sockets of prepared
+        claims a previous run left waiting (their pods may not have started yet; a served or
+        expired socket leaves no file). Sockets of claims never recorded (a run killed between
+        binding a socket and recording its claim) are removed by the hand-off's start."""
+        waiting = read_waiting_ids(config.socket_dir)
+        self._handoff = IommufdHandoff(config)
+        lines: list[str] = []
+        for claim in self._store:
+            if not claim.handoff or claim.uid not in waiting:
+                continue
+            ref = ClaimRef(claim.namespace, claim.name, claim.uid)
+            try:
+                self._handoff.prepare(claim.uid)
+            except (HandoffError, OSError) as error:
+                lines.append(
+                    f"{ref}: its iommufd hand-off was still waiting and cannot be served again:"
+                    f" {error}; its VM gets no prepared fd: recreate the pod once that is fixed"
+                )
+                continue
+            lines.append(f"{ref}: its iommufd hand-off was still waiting: served again")
+        return lines
 
     @contextmanager
     def _serialized(self) -> Iterator[None]:
@@ -178,8 +213,17 @@ class ClaimPreparer:
             "prepared %s: %s",
             quote_untrusted(str(ref)),
             ", ".join(
-                f"{d.device} ({d.bdf}) for request {quote_untrusted(d.request)}"
-                for d in prepared.devices
+                [
+                    *(
+                        f"{d.device} ({d.bdf}) for request {quote_untrusted(d.request)}"
+                        for d in prepared.devices
+                    ),
+                    *(
+                        f"{s.device} (iommufd hand-off {prepared.handoff}) for request"
+                        f" {quote_untrusted(s.request)}"
+                        for s in prepared.slots
+                    ),
+                ]
             ),
         )
         return prepared
@@ -190,7 +234,7 @@ class ClaimPreparer:
         """Plan the claim, bind what the plan says, write its files and record it."""
         judged = dict(self._host.judge_now(bdfs_named(allocation)))
         plan = self._plan(allocation, known, judged)
-        bound = False
+        bound = started = False
         try:
             if isinstance(plan, BindFirst) and self._binder is not None:
                 judged |= self._bind(self._binder, allocation.ref, plan)
@@ -201,6 +245,9 @@ class ClaimPreparer:
                     f"{allocation.ref}: {', '.join(map(str, plan.bdfs))} still on their host"
                     " drivers after binding them to VFIO; the kubelet retries"
                 )
+            # Before the CDI spec that mounts the socket is written: once the spec is there, the
+            # socket is too.
+            started = self._start_handoff(allocation.ref, plan.claim)
             for file in plan.files:
                 write_file_atomically(file.path, file.content, 0o644)
             self._store.save(plan.claim)
@@ -209,8 +256,28 @@ class ClaimPreparer:
             # on VFIO: they would be published as free and taken from under the next claim.
             if bound and known is None:
                 self._give_back(allocation.ref)
+            if started and self._handoff is not None:
+                self._handoff.cancel(allocation.ref.uid)
             raise
         return plan.claim
+
+    def _start_handoff(self, ref: ClaimRef, claim: PreparedClaim) -> bool:
+        """Serve the claim's iommufd fd on its socket, unless it needs none or is served
+        already (a claim prepared again for a lost file); whether it was started here."""
+        if not claim.handoff:
+            return False
+        if self._handoff is None:
+            raise ClaimError(
+                f"{ref}: the iommufd hand-off is not running (the driver is starting or"
+                " stopping); the kubelet retries"
+            )
+        if self._handoff.holds(ref.uid):
+            return False
+        try:
+            self._handoff.prepare(ref.uid)
+        except HandoffError as error:
+            raise ClaimError(f"{ref}: cannot prepare its iommufd fd: {error}") from error
+        return True
 
     def _plan(
         self,
@@ -288,6 +355,7 @@ class ClaimPreparer:
             for name in known.files if known else ():
                 Path(name).unlink(missing_ok=True)
             shutil.rmtree(self._paths.metadata_root(ref.uid), ignore_errors=True)
+            self._withdraw_handoff(ref.uid)
             # The record goes last: while the devices are not back, their group stays held.
             if self._binder is not None:
                 self._binder.release(ref.uid)
@@ -295,6 +363,16 @@ class ClaimPreparer:
         if known is not None:
             log.info("unprepared %s", quote_untrusted(str(ref)))
             self._announce(ref.uid)
+
+    def _withdraw_handoff(self, uid: str) -> None:
+        """Close the claim's iommufd fd if nobody took it, and remove its socket now (the
+        serving thread would only at its next turn)."""
+        socket = self._paths.handoff(uid)
+        if socket is None:
+            return
+        if self._handoff is not None:
+            self._handoff.cancel(uid)
+        socket.unlink(missing_ok=True)
 
 
 def _check_ref(ref: ClaimRef) -> None:

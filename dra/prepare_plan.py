@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
@@ -22,6 +22,7 @@ from dra.cdi import (
     build_cdi_ids,
     build_metadata,
     build_spec,
+    cdi_id,
     main_request,
     metadata_container_base,
     metadata_container_path,
@@ -30,8 +31,10 @@ from dra.cdi import (
 )
 from dra.claims import Allocated, ClaimAllocation, ClaimRef
 from dra.devices import DraDevice, bdf_of_device
-from dra.state import PreparedClaim, PreparedDevice
+from dra.iommufd_slots import build_handoff_entry, check_slots, handoff_cdi_name, slot_index
+from dra.state import PreparedClaim, PreparedDevice, PreparedSlot
 from hostdev.bdf import Bdf
+from hostdev.iommufd_handoff import socket_path
 from hostdev.untrusted import quote_untrusted
 
 GONE = "gone from the host"
@@ -45,6 +48,11 @@ class Paths:
 
     cdi_dir: Path
     metadata_dir: Path
+    handoff_dir: Path | None = None
+    """Where the sockets of claims' iommufd hand-offs are; None when the driver publishes no
+    iommufd slots."""
+    slots: int = 0
+    """How many iommufd slots the driver publishes (`iommufd-0` …)."""
 
     def spec(self, driver: str, uid: str) -> Path:
         return self.cdi_dir / spec_file_name(driver, uid)
@@ -55,6 +63,10 @@ class Paths:
     def metadata(self, uid: str, request: str, driver: str) -> Path:
         """The host file of a main request's metadata."""
         return self.metadata_root(uid) / request / metadata_file_name(driver)
+
+    def handoff(self, uid: str) -> Path | None:
+        """The socket of the claim's iommufd hand-off."""
+        return None if self.handoff_dir is None else socket_path(self.handoff_dir, uid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +110,7 @@ def is_still_on_vfio(judged: Mapping[Bdf, DraDevice | str]) -> bool:
 
 
 def same_allocation(recorded: PreparedClaim, allocation: ClaimAllocation) -> bool:
-    return sorted((d.request, d.pool, d.device) for d in recorded.devices) == sorted(
+    return sorted((d.request, d.pool, d.device) for d in recorded.results) == sorted(
         (d.request, d.pool, d.device) for d in allocation.devices
     )
 
@@ -124,13 +136,14 @@ def plan_prepare(
         # claim has: they would be published as free while its VM may have them.
         return Refusal(
             f"{ref}: the API server now allocates it {_listed(allocation.devices)}, but it was"
-            f" prepared with {_listed(recorded.devices)}; an allocation never changes, so the"
+            f" prepared with {_listed(recorded.results)}; an allocation never changes, so the"
             " first preparation is kept; delete the pod so that the kubelet unprepares the"
             " claim, then it is prepared anew"
         )
-    duplicate = _duplicate(allocation, driver)
-    if duplicate is not None:
-        return Refusal(f"{ref}: {duplicate}: refused; {NOT_FROM_THE_API}")
+    split = _split_slots(allocation, driver, paths.slots)
+    if isinstance(split, Refusal):
+        return split
+    allocation, slots = split
     held = _held_groups(others)
     devices: dict[str, DraDevice] = {}
     for item in allocation.devices:
@@ -146,7 +159,25 @@ def plan_prepare(
             tuple(to_bind),
             any(d.reset_after_use for d in devices.values() if d.bind_on_demand),
         )
-    return _write_plan(allocation, devices, driver, paths)
+    return _write_plan(allocation, devices, driver, paths, slots)
+
+
+def _split_slots(
+    allocation: ClaimAllocation, driver: str, published: int
+) -> Refusal | tuple[ClaimAllocation, tuple[Allocated, ...]]:
+    """The allocation of the claim's PCI devices, and its iommufd slots; a refusal when the
+    allocation names anything twice or slots that cannot be prepared."""
+    duplicate = _duplicate(allocation, driver)
+    if duplicate is not None:
+        return Refusal(f"{allocation.ref}: {duplicate}: refused; {NOT_FROM_THE_API}")
+    slots = tuple(item for item in allocation.devices if slot_index(item.device) is not None)
+    if not slots:
+        return allocation, slots
+    refused = check_slots(((s.request, s.device) for s in slots), published)
+    if refused is not None:
+        return Refusal(f"{allocation.ref}: {refused}")
+    pci = tuple(item for item in allocation.devices if item not in slots)
+    return replace(allocation, devices=pci), slots
 
 
 def _bound_for_another(ref: ClaimRef, item: Allocated, bdf: Bdf, other: str) -> Refusal:
@@ -188,9 +219,16 @@ def _device_for(
 
 
 def _write_plan(
-    allocation: ClaimAllocation, devices: Mapping[str, DraDevice], driver: str, paths: Paths
+    allocation: ClaimAllocation,
+    devices: Mapping[str, DraDevice],
+    driver: str,
+    paths: Paths,
+    slots: tuple[Allocated, ...],
 ) -> WritePlan | Refusal:
+    """The files and record of a claim: `allocation` holds its PCI devices, `slots` its iommufd
+    slots (checked: all of one request, all published), which share the claim's hand-off."""
     ref = allocation.ref
+    handoff = paths.handoff(ref.uid) if slots else None
     files: list[FileToWrite] = []
     metadata_paths: dict[str, str] = {}
     for request in sorted({main_request(d.request) for d in allocation.devices}):
@@ -201,9 +239,10 @@ def _write_plan(
         files.append(FileToWrite(path, _json(build_metadata(allocation, request, driver, devices))))
         metadata_paths[request] = str(path)
     spec_path = paths.spec(driver, ref.uid)
-    files.append(
-        FileToWrite(spec_path, _json(build_spec(allocation, driver, devices, metadata_paths)))
-    )
+    spec = build_spec(allocation, driver, devices, metadata_paths)
+    if handoff is not None:
+        spec["devices"].append(build_handoff_entry(ref.uid, str(handoff)))
+    files.append(FileToWrite(spec_path, _json(spec)))
     return WritePlan(
         files=tuple(files),
         claim=PreparedClaim(
@@ -222,6 +261,16 @@ def _write_plan(
                 for item in allocation.devices
             ),
             files=(str(spec_path), *metadata_paths.values()),
+            slots=tuple(
+                PreparedSlot(
+                    request=item.request,
+                    pool=item.pool,
+                    device=item.device,
+                    cdi_ids=(cdi_id(driver, handoff_cdi_name(ref.uid)),),
+                )
+                for item in slots
+            ),
+            handoff=str(handoff or ""),
         ),
     )
 
@@ -312,7 +361,7 @@ def _taken(ref: ClaimRef, name: str, bdf: Bdf, holder: _Holder) -> str:
     )
 
 
-def _listed(devices: Iterable[Allocated | PreparedDevice]) -> str:
+def _listed(devices: Iterable[Allocated | PreparedDevice | PreparedSlot]) -> str:
     return ", ".join(
         f"{quote_untrusted(d.device)} for request {quote_untrusted(d.request)}" for d in devices
     )

@@ -20,6 +20,7 @@ from dra.health import DeviceHealth
 from dra.slices import (
     NO_TAINTS,
     DeviceTaint,
+    Object,
     Owner,
     SlicePlan,
     TaintEffect,
@@ -46,11 +47,14 @@ class SlicePublisher:
         taint_effect: TaintEffect = TaintEffect.NO_SCHEDULE,
         backoff_first: float = BACKOFF_FIRST,
         backoff_max: float = BACKOFF_MAX,
+        slots: Sequence[Object] = (),
     ) -> None:
         self._api = api
         self._node = node
         self._driver = driver
         self._devices = tuple(devices)
+        self._slots = tuple(slots)
+        """The iommufd slots' entries (dra.iommufd_slots), published after the devices."""
         self._taint_effect = taint_effect
         self._taints: Mapping[str, DeviceTaint] = NO_TAINTS
         self._dropped: Mapping[str, DeviceTaint] | None = None
@@ -126,7 +130,7 @@ class SlicePublisher:
             # two instances publishing it, each would wake the other without end.
             taints = NO_TAINTS
         existing, _ = self._api.list_slices(self._node, self._driver)
-        plan = plan_slices(existing, self._owner, self._driver, devices, taints)
+        plan = plan_slices(existing, self._owner, self._driver, devices, taints, self._slots)
         if not plan.empty:
             if self._apply(plan):
                 self._dropped = taints

@@ -98,7 +98,7 @@ class _DraService:
                     device_name=d.device,
                     cdi_device_ids=list(d.cdi_ids),
                 )
-                for d in answer.devices
+                for d in answer.results
             )
         return response
 

@@ -125,14 +125,16 @@ def build_slices(
     devices: Sequence[DraDevice],
     generation: int,
     taints: Mapping[str, DeviceTaint] = NO_TAINTS,
+    slots: Sequence[Object] = (),
 ) -> list[Object]:
     """The pool's slices: at least one, so an empty pool is published as empty, not unknown.
+    `slots` are the iommufd slots' entries (dra.iommufd_slots), after the devices.
 
     `taints` maps device names to the taint each carries. While any device is tainted every
     slice holds at most 64: the split stays one rule of the pool, and the pool is rewritten at
     a new generation on any taint change anyway.
     """
-    entries = [build_device_entry(d, taints.get(d.name)) for d in devices]
+    entries = [build_device_entry(d, taints.get(d.name)) for d in devices] + list(slots)
     size = (
         MAX_DEVICES_PER_TAINTED_SLICE
         if any(d.name in taints for d in devices)
@@ -176,6 +178,7 @@ def plan_slices(
     driver: str,
     devices: Sequence[DraDevice],
     taints: Mapping[str, DeviceTaint] = NO_TAINTS,
+    slots: Sequence[Object] = (),
 ) -> SlicePlan:
     """What to write so the API server holds exactly the pool for `devices` and `taints`.
 
@@ -186,7 +189,7 @@ def plan_slices(
     current = {s["metadata"]["name"]: s for s in existing}
     generations = [_pool(s).get("generation", 0) for s in current.values()]
     generation = max(generations, default=0)
-    wanted = build_slices(owner, driver, devices, generation + 1, taints)
+    wanted = build_slices(owner, driver, devices, generation + 1, taints, slots)
     _carry_time_added(current.values(), wanted)
     if current and _same_pool(current, wanted):
         return SlicePlan(generation, (), (), ())

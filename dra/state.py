@@ -56,6 +56,17 @@ class PreparedDevice:
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedSlot:
+    """One iommufd slot of a prepared claim (dra.iommufd_slots): what was asked, and the CDI id
+    of the claim's hand-off."""
+
+    request: str
+    pool: str
+    device: str
+    cdi_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedClaim:
     uid: str
     namespace: str
@@ -63,6 +74,10 @@ class PreparedClaim:
     devices: tuple[PreparedDevice, ...]
     files: tuple[str, ...]
     """Every file written for the claim (CDI spec, metadata), removed on unprepare."""
+    slots: tuple[PreparedSlot, ...] = ()
+    handoff: str = ""
+    """The host path of the socket that hands the claim's pod its iommufd fd (claims with slots
+    only); served once, so it may be gone while the claim stays prepared."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,7 +97,19 @@ class PreparedClaim:
                 for d in self.devices
             ],
             "files": list(self.files),
+            **self._handoff_json(),
         }
+
+    @property
+    def results(self) -> tuple[PreparedDevice | PreparedSlot, ...]:
+        """Every device of the claim's allocation: its PCI devices, then its iommufd slots."""
+        return (*self.devices, *self.slots)
+
+    def _handoff_json(self) -> dict[str, Any]:
+        # Only with slots: a claim without them is recorded as before the driver had slots.
+        if not self.slots:
+            return {}
+        return {"slots": [_slot_json(s) for s in self.slots], "handoff": self.handoff}
 
     @classmethod
     def from_json(cls, data: object) -> PreparedClaim:
@@ -101,6 +128,12 @@ class PreparedClaim:
                 for index, item in enumerate(_array(record, "devices"))
             ),
             files=_texts(record, "files"),
+            # Records written before the driver had iommufd slots have neither key.
+            slots=tuple(
+                _slot(_object(item, f"slots[{index}]"), f"slots[{index}].")
+                for index, item in enumerate(_array(record, "slots") if "slots" in record else [])
+            ),
+            handoff=_text(record, "handoff") if "handoff" in record else "",
         )
 
 
@@ -118,6 +151,24 @@ def _device(record: dict[str, object], where: str) -> PreparedDevice:
         bdf=Bdf.parse(bdf),
         cdi_ids=_texts(record, "cdiIds", where),
         group=group,
+    )
+
+
+def _slot_json(slot: PreparedSlot) -> dict[str, Any]:
+    return {
+        "request": slot.request,
+        "pool": slot.pool,
+        "device": slot.device,
+        "cdiIds": list(slot.cdi_ids),
+    }
+
+
+def _slot(record: dict[str, object], where: str) -> PreparedSlot:
+    return PreparedSlot(
+        request=_text(record, "request", where),
+        pool=_text(record, "pool", where),
+        device=_text(record, "device", where),
+        cdi_ids=_texts(record, "cdiIds", where),
     )
 
 

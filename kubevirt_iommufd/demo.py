@@ -36,10 +36,10 @@ import grpc
 import yaml
 from lxml import etree
 
-from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
 from hostdev.config import IommufdConfig, default_config
+from hostdev.iommufd_handoff import HandoffConfig, IommufdHandoff
 from hostdev.naming import pci_resource_env
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host

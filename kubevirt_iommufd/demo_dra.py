@@ -19,6 +19,7 @@ from dra.api import ResourceApi
 from dra.cdi import metadata_file_name
 from dra.command import DEFAULT_DRIVER
 from dra.driver import DraDriver, DriverSettings
+from dra.iommufd_slots import slot_index
 from hostdev.bdf import Bdf
 from hostdev.config import default_config
 from hostdev.model import HostInventory
@@ -114,12 +115,16 @@ def _step_slices(api: ApiServerStandIn, checks: Checks) -> list[Object]:
         return []
     slices = api.slices(NODE, DEFAULT_DRIVER)
     pool = slices[0]["spec"]["pool"]
-    devices = [d for s in slices for d in s["spec"]["devices"]]
+    entries = [d for s in slices for d in s["spec"]["devices"]]
+    # The iommufd slots (dra.iommufd_slots) follow the GPUs; this demo prepares a GPU.
+    devices = [d for d in entries if slot_index(d["name"]) is None]
+    slots = [d["name"] for d in entries if slot_index(d["name"]) is not None]
     owners = {ref["uid"] for s in slices for ref in s["metadata"].get("ownerReferences", [])}
     node = api.read("Node", NODE) or {}
     checks.show(
         f"pool {pool['name']}, generation {pool['generation']}: {len(slices)} slice(s)"
         f" ({', '.join(s['metadata']['name'] for s in slices)}), {len(devices)} devices"
+        f" and {len(slots)} iommufd slots ({slots[0] if slots else ''} …)"
     )
     rows = [("DEVICE", "PCI BUS ID", "PRODUCT", "NUMA", "GROUP", "IOMMUFD")]
     rows += [

@@ -8,7 +8,12 @@ import sys
 
 import yaml
 
-from dra.device_classes import DeviceClassError, build_device_classes, plan_resource_names
+from dra.device_classes import (
+    DeviceClassError,
+    build_device_classes,
+    plan_iommufd_resource_names,
+    plan_resource_names,
+)
 from hostdev.errors import HostdevError
 from hostdev.model import PciFunction
 from kubevirt_iommufd.options import read_config_option, read_pci_ids_option, scan_node_option
@@ -26,7 +31,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             " configuration, whose spec.extendedResourceName is the resource's name (Kubernetes"
             " 1.34+ with the DRAExtendedResource feature; beta from 1.36): on nodes without the"
             " device plugin, a pod asking for that resource (a launcher pod of a deviceName VMI)"
-            " is served by the DRA driver's devices of that resource. Resources named per device"
+            " is served by the DRA driver's devices of that resource; and one for the iommufd"
+            " slots (devices.kubevirt.io/iommufd, unless iommufd.enabled is false), whose claims"
+            " get the prepared iommufd fd. Resources named per device"
             " (the default configuration, NVIDIA's naming) get their names from the devices of"
             " --root or --example and from --device. Exit 0 on success, 1 on an error."
         ),
@@ -82,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
             " device; pass --root / (on a node), --example or --device VENDOR:DEVICE"
         )
     try:
-        classes = build_device_classes(args.driver_name, resources)
+        classes = build_device_classes(
+            args.driver_name, [*resources, *plan_iommufd_resource_names(config)]
+        )
     except DeviceClassError as error:
         raise HostdevError(str(error)) from None
     yaml.safe_dump_all(classes, sys.stdout, sort_keys=False)

@@ -13,7 +13,7 @@ import yaml
 
 from dra.device_classes import device_selector
 from dra.devices import build_devices
-from hostdev.config import parse_config
+from hostdev.config import IOMMUFD_RESOURCE, parse_config
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
 from k8s_schema_kit import assert_valid
@@ -60,6 +60,10 @@ def test_the_classes_select_what_the_driver_publishes_on_the_node(
     published = build_devices(scan_host(root), parse_config({}), names)
     assert published
     by_resource = {c["spec"]["extendedResourceName"]: c for c in printed}
+    # The iommufd slots' class too: the driver publishes its slots with that resource name.
+    assert by_resource.pop(IOMMUFD_RESOURCE)["spec"]["selectors"] == [
+        {"cel": {"expression": device_selector(DRIVER, IOMMUFD_RESOURCE)}}
+    ]
     assert set(by_resource) == {d.attributes["resourceName"] for d in published}
     for device in published:
         device_class = by_resource[str(device.attributes["resourceName"])]
@@ -68,7 +72,10 @@ def test_the_classes_select_what_the_driver_publishes_on_the_node(
         ]
     if pci_ids_option == "file":
         assert set(by_resource) == {"nvidia.com/GH100H100_SXM5_80GB"}
-        assert printed[0]["metadata"]["name"] == "nvidia.com.gh100h100-sxm5-80gb"
+        assert [c["metadata"]["name"] for c in printed] == [
+            "devices.kubevirt.io.iommufd",
+            "nvidia.com.gh100h100-sxm5-80gb",
+        ]
     for device_class in printed:
         for version in ("1.36", "1.37"):
             assert_valid(device_class, version)
@@ -81,6 +88,7 @@ def test_device_ids_are_named_as_the_plugin_names_them(
         capsys, "--device", "10de:2330", "--device", "10de:22A3", "--pci-ids", pci_ids
     )
     assert [c["spec"]["extendedResourceName"] for c in printed] == [
+        IOMMUFD_RESOURCE,
         "nvidia.com/GH100H100_SXM5_80GB",
         "nvidia.com/GH100_H100_NVSWITCH",
     ]
@@ -97,6 +105,7 @@ def test_named_resources_of_a_configuration_need_no_node(
         "- resourceName: example.com/fpga_vf\n"
         "  selectors: {vendors: ['1172']}\n"
         "- autoName: nvidia\n  selectors: {vendors: ['10de']}\n"
+        "iommufd: {enabled: false}\n"
     )
     printed = classes(capsys, "--config", str(config), "--driver-name", "vfio.example.com")
     (device_class,) = printed

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from deviceplugin.manager import PluginManager
 from deviceplugin.metrics import PluginMetrics
 from hostdev.config import PluginConfig, default_config
+from hostdev.iommufd_handoff import HandoffConfig, IommufdHandoff
 from hostdev.labels.publisher import LabelPublisher
 from hostdev.pciids import PciIds
 from sim.host import SCENARIOS, BuildHost

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.iommu_ioctl import (
+from handoff_kit import fds_open_on, open_fd_count, receive_iommufd, wait_until
+from hostdev.iommu_ioctl import (
     IOMMU_OPTION,
     build_option,
     parse_option_val64,
     read_rlimit_mode,
     set_rlimit_mode_per_process,
 )
-from deviceplugin.iommufd_handoff import (
+from hostdev.iommufd_handoff import (
     SELINUX_LABEL,
     HandoffClosed,
     HandoffConfig,
@@ -37,7 +38,6 @@ from deviceplugin.iommufd_handoff import (
     IommuDeviceMissing,
     IommufdHandoff,
 )
-from dp_handoff_kit import fds_open_on, open_fd_count, receive_iommufd, wait_until
 
 
 class RecordingSetter:
@@ -180,7 +180,7 @@ def test_a_second_client_finds_no_socket(make_handoff: MakeHandoff) -> None:
 def test_a_hand_off_is_logged_with_allocation_socket_and_peer(
     make_handoff: MakeHandoff, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="deviceplugin.iommufd_handoff")
+    caplog.set_level(logging.INFO, logger="hostdev.iommufd_handoff")
     handoff = make_handoff()
     path = handoff.prepare("logged").host_path
     os.close(receive_iommufd(path))
@@ -192,7 +192,7 @@ def test_a_hand_off_is_logged_with_allocation_socket_and_peer(
 def test_unclaimed_sockets_expire(
     make_handoff: MakeHandoff, host_root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="deviceplugin.iommufd_handoff")
+    caplog.set_level(logging.INFO, logger="hostdev.iommufd_handoff")
     handoff = make_handoff(expiry_seconds=0.2)
     path = handoff.prepare("unclaimed").host_path
     assert path.exists()

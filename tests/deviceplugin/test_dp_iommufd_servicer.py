@@ -8,9 +8,9 @@ from typing import NoReturn
 import grpc
 import pytest
 
-from deviceplugin.iommufd_handoff import HandoffError, PreparedSocket
 from deviceplugin.servicer import IommufdServicer
 from deviceplugin.v1beta1 import api_pb2
+from hostdev.iommufd_handoff import HandoffError, PreparedSocket
 
 
 class Aborted(Exception):

@@ -9,10 +9,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dra.api import ApiError
+import kubernetes.client
+
+from dra.api import ApiError, ResourceApi
 from dra.binding import OnDemandBinder
 from dra.claims import ClaimRef
-from dra.driver import DriverSettings
+from dra.driver import DraDriver, DriverSettings
 from dra.host_cache import HostCache
 from dra.prepare import ClaimPreparer
 from dra.prepare_plan import Paths
@@ -20,6 +22,7 @@ from dra.state import ClaimStore
 from hostdev.binding.bind import HostAccess
 from hostdev.config import PluginConfig, default_config
 from hostdev.pciids import PciIds
+from sim.dra_kubelet import DRAKubeletStandIn
 from sim.kernel import KernelSimulator
 
 DRIVER = "vfio.kubevirt-iommufd.io"
@@ -123,3 +126,20 @@ def driver_settings(root: Path, base: Path, rescan_interval: float) -> DriverSet
         state_dir=base / "state",
         rescan_interval=rescan_interval,
     )
+
+
+@contextlib.contextmanager
+def running_driver(
+    root: Path, base: Path, api_client: kubernetes.client.ApiClient, config: PluginConfig
+) -> Iterator[tuple[DriverSettings, DRAKubeletStandIn]]:
+    """The whole driver on the node at `root` (directories under `base`), registered with a
+    kubelet stand-in."""
+    settings = driver_settings(root, base, 0.2)
+    driver = DraDriver(settings, config, PciIds(None), ResourceApi(api_client))
+    driver.start()
+    try:
+        with DRAKubeletStandIn(base / "kubelet", info_poll_interval=None) as kubelet:
+            kubelet.wait_registered(DRIVER)
+            yield settings, kubelet
+    finally:
+        driver.stop()

@@ -15,17 +15,15 @@ from typing import Any
 import kubernetes.client
 import pytest
 
-from dra.api import ResourceApi
 from dra.cdi import build_request_env
 from dra.claims import EXTENDED_RESOURCE_CLAIM_ANNOTATION, ClaimRef, parse_allocation
 from dra.devices import DraDevice
-from dra.driver import DraDriver, DriverSettings
+from dra.driver import DriverSettings
 from dra_cdi_schema_kit import validate_cdi_spec
-from dra_kit import DRIVER, NODE, driver_settings, short_directory
+from dra_kit import DRIVER, NODE, running_driver, short_directory
 from hostdev.bdf import Bdf
 from hostdev.config import default_config
 from hostdev.naming import pci_resource_env
-from hostdev.pciids import PciIds
 from k8s_schema_kit import assert_valid
 from sim.apiserver import AllocatedDevice, ApiServerStandIn
 from sim.dra_kubelet import Claim, DRAKubeletStandIn
@@ -42,10 +40,13 @@ COMPUTE_REQUEST = "container-2-request-6"
 SIDECAR_REQUEST = "container-3-request-2"
 
 
-def scheduler_claim(name: str, requests: dict[str, int]) -> dict[str, Any]:
+def scheduler_claim(
+    name: str, requests: dict[str, int], classes: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The claim as kube-scheduler creates it at PreBind (extendeddynamicresources.go:
     preFilterExtendedResources, createRequestsAndMappings, createExtendedResourceClaimInAPI)
-    and reserves it for the pod; `name` is what the API server made of the generateName."""
+    and reserves it for the pod; `name` is what the API server made of the generateName, and
+    each request asks for the class `classes` names for it (the GPUs' by default)."""
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -65,7 +66,7 @@ def scheduler_claim(name: str, requests: dict[str, int]) -> dict[str, Any]:
                     {
                         "name": request,
                         "exactly": {
-                            "deviceClassName": CLASS,
+                            "deviceClassName": (classes or {}).get(request, CLASS),
                             "allocationMode": "ExactCount",
                             "count": count,
                         },
@@ -110,16 +111,8 @@ def driver(
 ) -> Iterator[tuple[DriverSettings, DRAKubeletStandIn]]:
     apiserver.put_node(NODE)
     root = scenario_root("hgx-h100")
-    with short_directory() as base:
-        settings = driver_settings(root, base, 0.2)
-        running = DraDriver(settings, default_config(), PciIds(None), ResourceApi(api_client))
-        running.start()
-        try:
-            with DRAKubeletStandIn(base / "kubelet", info_poll_interval=None) as kubelet:
-                kubelet.wait_registered(DRIVER)
-                yield settings, kubelet
-        finally:
-            running.stop()
+    with short_directory() as base, running_driver(root, base, api_client, default_config()) as up:
+        yield up
 
 
 @pytest.mark.parametrize("version", ["1.36", "1.37"])

@@ -15,6 +15,8 @@ from dra.state import ClaimStore, PreparedClaim, StateError, read_prepared_claim
 from hostdev.directories import UnsafeDirectory
 from prepared_records_kit import BAD_RECORDS, UID, good_record, with_field, write_record
 
+SOCKET = "/var/lib/kubevirt-iommufd/dra/iommufd/iommufd-x.sock"
+SLOT = {"request": "iommufd", "pool": "node-a", "device": "iommufd-0", "cdiIds": ["k/c=x"]}
 FIX = "check which device the claim had (kubevirt-iommufd inspect), then fix or remove the file"
 
 
@@ -22,6 +24,19 @@ def test_a_record_reads_back_as_written() -> None:
     claim = PreparedClaim.from_json(good_record())
     assert claim.to_json() == good_record()
     assert str(claim.devices[0].bdf) == "0000:18:00.0"
+
+
+def test_a_record_with_iommufd_slots_reads_back_as_written() -> None:
+    """A claim on iommufd slots records them and its socket; a record without (written before
+    the driver had slots, or of a claim without any) reads back with none."""
+    assert PreparedClaim.from_json(good_record()).slots == ()
+    assert "slots" not in good_record() and "handoff" not in good_record()
+    record = good_record() | {"slots": [SLOT], "handoff": SOCKET}
+    claim = PreparedClaim.from_json(record)
+    assert claim.to_json() == record
+    (slot,) = claim.slots
+    assert (slot.request, slot.device, claim.handoff) == ("iommufd", "iommufd-0", SOCKET)
+    assert [d.device for d in claim.results] == [claim.devices[0].device, "iommufd-0"]
 
 
 @pytest.mark.parametrize(
@@ -44,6 +59,9 @@ def test_a_record_reads_back_as_written() -> None:
         (with_field("devices", ["gpu"]), "devices[0]: expected an object, found 'gpu'"),
         (with_field("files", {"a": 1}), "files: expected an array, found an object"),
         (with_field("files", ["/a", 1]), "files[1]: expected a string, found 1"),
+        (with_field("slots", "x"), "slots: expected an array, found 'x'"),
+        (with_field("slots", [SLOT | {"device": 0}]), "slots[0].device: expected a string"),
+        (with_field("handoff", 7), "handoff: expected a string, found 7"),
         (
             with_field("bdf", "../../x", in_device=True),
             "devices[0].bdf: expected a PCI address, found '../../x'",

@@ -21,7 +21,7 @@ import yaml
 from dra.device_classes import build_device_class
 from dra.kubelet_sockets import dra_socket_path, registration_socket_path, serialize_lock_path
 from hostdev.binding.lock import LOCK_PATH
-from hostdev.config import parse_config
+from hostdev.config import IOMMUFD_RESOURCE, parse_config
 from k8s_schema_kit import assert_valid
 from kubevirt_iommufd.cli import build_parser
 from manifests_kit import MANIFESTS, NAMESPACE, by_kind, one, read_documents, render
@@ -295,17 +295,19 @@ def test_the_device_class_selects_the_driver_the_daemonset_names() -> None:
 
 
 def test_the_device_plugins_resource_names_are_served_as_extended_resources() -> None:
-    """Every device type the KubeVirt patch permits for the device plugin has a DeviceClass
-    with that name as its extended resource, selecting the driver's devices of that resource as
-    `dra-classes` builds it; valid from 1.34 (the generic check) to 1.36 and 1.37."""
+    """Every device type the KubeVirt patch permits for the device plugin, and the iommufd
+    slots' resource, has a DeviceClass with that name as its extended resource, selecting the
+    driver's devices of that resource as `dra-classes` builds it; valid from 1.34 (the generic
+    check) to 1.36 and 1.37."""
     driver = driver_args().driver_name
     patch = yaml.safe_load((MANIFESTS / "kubevirt/kubevirt-patch.yaml").read_text())
     permitted = patch["spec"]["configuration"]["permittedHostDevices"]["pciHostDevices"]
     classes = [
         c for c in by_kind(render("dra"), "DeviceClass") if "extendedResourceName" in c["spec"]
     ]
+    # And the iommufd slots' class: the resource our webhook adds beside the devices.
     assert sorted(c["spec"]["extendedResourceName"] for c in classes) == sorted(
-        d["resourceName"] for d in permitted
+        [*(d["resourceName"] for d in permitted), IOMMUFD_RESOURCE]
     )
     for device_class in classes:
         metadata = device_class.pop("metadata")

@@ -72,8 +72,8 @@ from guestkit import (
 )
 from launcher import IOMMUFD_RESOURCE, RESOURCE, check_hook, check_launcher_qemu
 
-from deviceplugin.iommu_ioctl import RLIMIT_MODE_PER_PROCESS, read_rlimit_mode
 from hostdev.bdf import is_bdf
+from hostdev.iommu_ioctl import RLIMIT_MODE_PER_PROCESS, read_rlimit_mode
 from sim.kubelet import KubeletStandIn
 
 # Printed first thing: run.py retries a boot that ends before the guest said this.

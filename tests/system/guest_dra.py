@@ -29,7 +29,7 @@ the device back exactly where it was, driver and driver_override, and log what i
               unbind from it, the device on no driver; the next start (the run of the checks
               above) binds it back to uio_pci_generic with its override
 
-The /dev/iommu fd comes from the device plugin's hand-off (deviceplugin.iommufd_handoff: opened,
+The /dev/iommu fd comes from the device plugin's hand-off (hostdev.iommufd_handoff: opened,
 per-process memlock accounting set, served once over a unix socket, received with SCM_RIGHTS as
 KubeVirt's launcher does), run in this process: the plugin process starts only after these
 checks, which need the device untouched by the others.
@@ -54,10 +54,10 @@ import grpc
 import uapi
 from guestkit import CLI, PCI, CheckFailed, Edu, Runner, receive_fd, require, say
 
-from deviceplugin.iommufd_handoff import HandoffConfig, IommufdHandoff
 from dra.devices import device_name
 from hostdev.bdf import Bdf
 from hostdev.binding.sysfs_write import SIGKILL_AFTER_ENV
+from hostdev.iommufd_handoff import HandoffConfig, IommufdHandoff
 from sim.apiserver import (
     AllocatedDevice,
     ApiServerStandIn,

@@ -5,7 +5,7 @@ carries its own size in its first field), so the number is `0x3B00 | nr`:
 
 - include/uapi/linux/iommufd.h: `IOMMUFD_TYPE ';'`, `IOMMUFD_CMD_DESTROY = 0x80`,
   `IOMMUFD_CMD_IOAS_ALLOC = 0x81`, `IOMMUFD_CMD_IOAS_MAP = 0x85` (`IOMMU_OPTION` is 0x87, in
-  deviceplugin/iommu_ioctl.py);
+  hostdev/iommu_ioctl.py);
 - include/uapi/linux/vfio.h: `VFIO_TYPE ';'`, `VFIO_BASE 100`; `VFIO_DEVICE_GET_INFO` is
   `VFIO_BASE + 7`, `VFIO_DEVICE_GET_REGION_INFO` `+ 8`, `VFIO_DEVICE_BIND_IOMMUFD` `+ 18`,
   `VFIO_DEVICE_ATTACH_IOMMUFD_PT` `+ 19`, `VFIO_DEVICE_DETACH_IOMMUFD_PT` `+ 20`.

@@ -1,6 +1,8 @@
 """The prepared iommufd hand-off: one-shot unix sockets that each pass one configured /dev/iommu fd.
 
-For every Allocate of `devices.kubevirt.io/iommufd`, `IommufdHandoff.prepare()` opens
+Used by both components: the device plugin per Allocate of its iommufd resource, the DRA driver
+per prepared claim on its iommufd slots (dra.iommufd). For every Allocate of
+`devices.kubevirt.io/iommufd`, `IommufdHandoff.prepare()` opens
 `<root>/dev/iommu`, switches it to per-process memlock accounting (`IOMMU_OPTION`) and binds a fresh
 socket `<socket_dir>/iommufd-<id>.sock`, which the plugin mounts at `CONTAINER_SOCKET_PATH` in the
 launcher. The wire protocol is KubeVirt's launcher's (`ReceiveIOMMUFD`): the first client to connect
@@ -41,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from deviceplugin.iommu_ioctl import set_rlimit_mode_per_process
 from hostdev.directories import make_directories
+from hostdev.iommu_ioctl import set_rlimit_mode_per_process
 from hostdev.unix_socket import MAX_SOCKET_PATH, bind_unix_socket_path
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,22 @@ def read_selinux_enforcing(root: Path) -> bool:
         return False
 
 
+def socket_path(socket_dir: Path, allocation_id: str) -> Path:
+    """Where `prepare(allocation_id)` binds its socket."""
+    return socket_dir / f"iommufd-{allocation_id}.sock"
+
+
+def read_waiting_ids(socket_dir: Path) -> frozenset[str]:
+    """The allocation ids whose sockets are in `socket_dir` now: hand-offs a previous run
+    prepared and nobody took yet (a served or expired one leaves no file). Read before an
+    `IommufdHandoff` on the directory removes them."""
+    try:
+        found = [p for p in socket_dir.glob("iommufd-*.sock") if stat.S_ISSOCK(p.lstat().st_mode)]
+    except FileNotFoundError:
+        return frozenset()
+    return frozenset(p.name.removeprefix("iommufd-").removesuffix(".sock") for p in found)
+
+
 def _check_allocation_id(allocation_id: str) -> None:
     if not _ALLOCATION_ID.fullmatch(allocation_id) or ".." in allocation_id:
         raise InvalidAllocationId(allocation_id)
@@ -200,7 +218,7 @@ class IommufdHandoff:
     def prepare(self, allocation_id: str) -> PreparedSocket:
         """Open and configure an iommufd and start serving it once on a fresh socket."""
         _check_allocation_id(allocation_id)
-        path = self._config.socket_dir / f"iommufd-{allocation_id}.sock"
+        path = socket_path(self._config.socket_dir, allocation_id)
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise HandoffError(
                 f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes, the limit of a unix"
@@ -238,6 +256,12 @@ class IommufdHandoff:
             self._cancelled.add(allocation_id)
         self._wake()
         return True
+
+    def holds(self, allocation_id: str) -> bool:
+        """Whether a hand-off for `allocation_id` is pending (prepared, not yet served, expired,
+        failed or withdrawn)."""
+        with self._lock:
+            return allocation_id in self._ids and allocation_id not in self._cancelled
 
     def stats(self) -> HandoffStats:
         with self._lock:
