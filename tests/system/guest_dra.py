@@ -714,14 +714,18 @@ def _check_upgrade(run: Runner, edu: Edu, dra: DraRun, name: str) -> None:
             )
             for uid in (OLD_UID, NEW_UID)
         }
+
+        def calls_new() -> bool:
+            registration = dra.kubelet.current(DRIVER)
+            return registration is not None and Path(registration.endpoint) == paths[NEW_UID][0]
+
         try:
-            registration = dra.kubelet.wait_registered(DRIVER, START_TIMEOUT_S, count=2)
+            dra.kubelet.wait_for(calls_new, START_TIMEOUT_S, f"the kubelet calling {NEW_UID}")
         except TimeoutError as error:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
-            raise CheckFailed(f"{NEW_UID} not registered: {error}\n{tail}") from None
+            raise CheckFailed(f"{error}\n{NEW_UID}'s log:\n{tail}") from None
         registered = time.time() - spawned
-        endpoint = Path(registration.endpoint)
-        require(endpoint == paths[NEW_UID][0], f"the kubelet calls {endpoint}")
+        require(old.poll() is None, f"{OLD_UID} exited {old.returncode}")
         overlap = _prepare_and_unprepare(dra, edu, name)
         old.send_signal(signal.SIGTERM)
         try:
