@@ -425,7 +425,8 @@ def _require_stranded(edu: Edu, dra: DraRun) -> None:
 
 
 def _recovery_line(dra: DraRun, claim: Claim) -> str:
-    start = f"start-up recovery: put back claim {claim.uid}'s functions (a bind was interrupted)"
+    # The entry names the killed run (", by pid N)").
+    start = f"start-up recovery: put back claim {claim.uid}'s functions (a bind was interrupted"
     for line in dra.log_path.read_text(errors="replace").splitlines():
         if start in line:
             return line.split("start-up recovery: ", 1)[1]
@@ -506,11 +507,8 @@ def _check_unprepare(run: Runner, edu: Edu, dra: DraRun, name: str, claim: Claim
         started = time.monotonic()
         errors = dra.kubelet.node_unprepare_resources([claim])
         took = time.monotonic() - started
-        require(errors == {claim.uid: ""}, f"NodeUnprepare answered {errors}\n{dra.log_tail()}")
-        require(edu.driver() is None, f"{edu.bdf} is on {edu.driver()}")
-        require(_override(edu) == "(null)", f"driver_override {_override(edu)!r}")
+        _require_given_back(edu, dra, claim, errors)
         require(not Path(cdev_path).exists(), f"{cdev_path} is still there")
-        require(not dra.journal(), f"binding journal left: {dra.journal()}")
         spec = dra.cdi_dir / f"{DRIVER}-claim_{claim.uid}.json"
         require(not spec.exists(), f"{spec} is still there")
         _wait(lambda: dra.current_driver(name) == "", SETTLE_TIMEOUT_S, "published again", dra)
@@ -518,6 +516,14 @@ def _check_unprepare(run: Runner, edu: Edu, dra: DraRun, name: str, claim: Claim
             f"NodeUnprepare {took:.2f} s (TCG); {edu.bdf} on no driver, driver_override"
             " (null), its cdev gone, no journal entry, CDI spec removed, published again"
         )
+
+
+def _require_given_back(edu: Edu, dra: DraRun, claim: Claim, errors: dict[str, str]) -> None:
+    """NodeUnprepare answered `errors` for `claim`: the device back where it began."""
+    require(errors == {claim.uid: ""}, f"NodeUnprepare answered {errors}\n{dra.log_tail()}")
+    require(edu.driver() is None, f"{edu.bdf} is on {edu.driver()} after NodeUnprepare")
+    require(_override(edu) == "(null)", f"driver_override {_override(edu)!r}")
+    require(not dra.journal(), f"binding journal left: {dra.journal()}")
 
 
 def _check_held(run: Runner, edu: Edu, dra: DraRun, name: str) -> None:
@@ -650,10 +656,7 @@ def _check_health_prepared(run: Runner, edu: Edu, dra: DraRun, name: str) -> Non
             require(kept in dra.log_path.read_text(errors="replace"), f"no {kept!r} logged")
         finally:
             errors = dra.kubelet.node_unprepare_resources([claim])
-        require(errors == {claim.uid: ""}, f"NodeUnprepare answered {errors}\n{dra.log_tail()}")
-        require(edu.driver() is None, f"{edu.bdf} is on {edu.driver()} after NodeUnprepare")
-        require(_override(edu) == "(null)", f"driver_override {_override(edu)!r}")
-        require(not dra.journal(), f"binding journal left: {dra.journal()}")
+        _require_given_back(edu, dra, claim, errors)
         _wait(lambda: dra.current_driver(name) == "", SETTLE_TIMEOUT_S, "published again", dra)
         check.detail = (
             f"{flips}; the stream said {said!r}; the claim stayed prepared (CDI spec, journal),"
@@ -773,9 +776,7 @@ def _prepare_and_unprepare(dra: DraRun, edu: Edu, name: str) -> str:
     started = time.monotonic()
     errors = dra.kubelet.node_unprepare_resources([claim])
     unprepared = time.monotonic() - started
-    require(errors == {claim.uid: ""}, f"NodeUnprepare answered {errors}\n{dra.log_tail()}")
-    require(edu.driver() is None, f"{edu.bdf} is on {edu.driver()} after NodeUnprepare")
-    require(_override(edu) == "(null)", f"driver_override {_override(edu)!r}")
+    _require_given_back(edu, dra, claim, errors)
     require(writers == [NEW_UID], f"bound by instances {writers}, not by {NEW_UID} alone")
     _wait(lambda: dra.current_driver(name) == "", SETTLE_TIMEOUT_S, "published again", dra)
     return (
