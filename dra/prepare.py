@@ -131,8 +131,10 @@ class ClaimPreparer:
     def recover(self) -> list[str]:
         """Start-up recovery (OnDemandBinder.recover) over the prepared claims on disk, under the
         serialize lock: a living instance binds and gives back only while holding it, so an
-        entry found half-done here is a dead run's, never a bind the other instance is doing."""
-        with self._serialized():
+        entry found half-done here is a dead run's, never a bind the other instance is doing.
+        That covers what another instance left (the pass `_serialized` makes for a prepare):
+        all of it is reported here, as the start-up recovery."""
+        with self._serialized(others=False):
             lines = [] if self._binder is None else self._binder.recover(c.uid for c in self._store)
             if self._handoff_config is not None and self._handoff is None:
                 lines += self._serve_handoffs(self._handoff_config)
@@ -167,14 +169,15 @@ class ClaimPreparer:
         return lines
 
     @contextmanager
-    def _serialized(self) -> Iterator[None]:
+    def _serialized(self, *, others: bool = True) -> Iterator[None]:
         """The in-process lock, then the node's serialize lock, then the records as they are on
-        disk now (another instance may have prepared or unprepared since), and whatever another
-        instance killed in a bind or a give-back left half-done put back (a rolling update's old
-        pod, killed: the new one must not wait for its own restart to free those devices)."""
+        disk now (another instance may have prepared or unprepared since), and (`others`)
+        whatever another instance killed in a bind or a give-back left half-done put back (a
+        rolling update's old pod, killed: the new one must not wait for its own restart to
+        free those devices)."""
         with self._lock, self._serialize.hold() if self._serialize else nullcontext():
             self._store.refresh()
-            if self._serialize is not None and self._binder is not None:
+            if others and self._serialize is not None and self._binder is not None:
                 prepared = [c.uid for c in self._store]
                 for line in self._binder.recover(prepared, others_only=True):
                     log.warning("recovery after another instance of the driver: %s", line)

@@ -18,6 +18,7 @@ from dra.driver import DraDriver, DriverSettings
 from dra.host_cache import HostCache
 from dra.prepare import ClaimPreparer
 from dra.prepare_plan import Paths
+from dra.serialize_lock import SerializeLock
 from dra.state import ClaimStore
 from hostdev.binding.bind import HostAccess
 from hostdev.config import PluginConfig, default_config
@@ -89,14 +90,22 @@ class Node:
             access, self.state_dir / "bindings", lock_wait=self.lock_wait, nodes_wait=1.0
         )
 
-    def start(self) -> ClaimPreparer:
-        """A fresh preparer over the same directories, as after a restart of the driver."""
+    def start(self, serialize: SerializeLock | None = None) -> ClaimPreparer:
+        """A fresh preparer over the same directories, as after a restart of the driver; with
+        `serialize`, held around its work as by an instance of a rolling update."""
         store = ClaimStore(self.state_dir)
         store.load()
         host = HostCache(self.root, self.config, self.names)
         host.scan()
         return ClaimPreparer(
-            DRIVER, NODE, self.claims, host, store, self.paths, binder=self.binder()
+            DRIVER,
+            NODE,
+            self.claims,
+            host,
+            store,
+            self.paths,
+            binder=self.binder(),
+            serialize=serialize,
         )
 
 

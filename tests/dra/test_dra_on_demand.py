@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from dra.binding import JournalEntry, Moved
+from dra.binding import JournalEntry, Moved, Writer
 from dra.devices import build_devices
+from dra.serialize_lock import SerializeLock
 from dra.state import ClaimStore, PreparedClaim
 from dra_cdi_schema_kit import validate_cdi_spec
 from dra_kit import OTHER, REF, Node
@@ -34,6 +35,8 @@ NVIDIA = 0x10DE
 GPU, AUDIO, BRIDGE = "0000:3b:00.0", "0000:3b:00.1", "0000:3a:00.0"
 SECOND_GPU = "0000:5e:00.0"
 GPU_DEVICE = "pci-0000-3b-00-0"
+DEAD_PID = 4_194_305
+"""Above the largest pid_max a kernel allows: no process has it."""
 ON_DEMAND = PluginConfig(
     resources=(
         ResourceConfig(
@@ -185,6 +188,35 @@ def test_a_bind_interrupted_by_a_crash_is_put_back_at_start(node: Node) -> None:
     assert binder is not None
     done = binder.recover(prepared=[])
     assert len(done) == 1 and "a bind was interrupted" in done[0] and GPU in done[0]
+    assert drivers(node) == BEFORE
+    assert not path.exists()
+
+
+def test_a_restart_reports_its_dead_runs_bind_as_its_start_up_recovery(
+    node: Node, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The entry names the dead run's pid: put back by the start-up recovery, whose lines the
+    driver logs as such, not by the pass a prepare makes for a rolling update's killed pod."""
+    journal = JournalEntry(
+        REF.uid,
+        "binding",
+        (Moved(Bdf.parse(GPU), "nvidia", None), Moved(Bdf.parse(AUDIO), "snd_hda_intel", None)),
+        reset_after_use=False,
+        writer=Writer(DEAD_PID, ""),
+    )
+    path = node.state_dir / "bindings" / f"{REF.uid}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(journal.to_json()))
+    assert node.kernel is not None
+    node.kernel.run(["modprobe", "vfio_pci"])
+    devices = node.root / "sys/bus/pci/devices"
+    node.kernel.write(devices / GPU / "driver_override", "vfio-pci")
+    node.kernel.write(devices / GPU / "driver/unbind", GPU)
+    node.kernel.write(node.root / "sys/bus/pci/drivers/vfio-pci/bind", GPU)
+    preparer = node.start(SerializeLock(tmp_path / "serialize.lock", ""))
+    done = preparer.recover()
+    assert len(done) == 1 and f"a bind was interrupted, by pid {DEAD_PID}" in done[0]
+    assert "recovery after another instance" not in caplog.text
     assert drivers(node) == BEFORE
     assert not path.exists()
 

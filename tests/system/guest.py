@@ -8,7 +8,11 @@ root filesystem is shared read-only, so scratch files go to a tmpfs (`/tmp` or `
 Checks, in order (each one PASS/FAIL with its time; later ones run even after a failure when
 they can):
   DRA             (guest_dra.py) the DRA driver binds the last edu, on no driver, to vfio-pci
-                  for a claim and gives it back; refused while a process holds the device
+                  for a claim and gives it back; refused while a process holds the device;
+                  health: the first edu on vfio-pci unprepared, then the last one prepared,
+                  unbound and bound again, the stream and the slice's taint following (target
+                  1 s); an upgrade (a second instance, the first stopped) with claims throughout;
+                  both edus left on no driver
   bind            the edu devices go to vfio-pci: `kubevirt-iommufd bind` when the CLI has it
                   (run.py passes --bind cli), else sysfs driver_override + drivers_probe
   inspect         `kubevirt-iommufd inspect --json` calls each one assignable over iommufd
@@ -556,8 +560,8 @@ def check_lifecycle(run: Runner, edus: list[Edu]) -> None:
 
 
 def run_checks(run: Runner, edus: list[Edu], scratch: Path, bind_method: str, strict: bool) -> None:
-    # First, while the device is still on no driver (guest_dra.py); it is left so.
-    check_dra_on_demand(run, edus[-1], scratch)
+    # First, while the devices are still on no driver (guest_dra.py); they are left so.
+    check_dra_on_demand(run, edus, scratch, strict)
     check_bind(run, edus, bind_method)
     bound = all(c.ok for c in run.report.checks)
     run.report.devices = [asdict(edu) for edu in edus]
