@@ -20,7 +20,7 @@ Run as root on a Debian bookworm machine: ``./dev.sh system-test`` (or
 Options: ``--prepare`` only installs and builds (no boot); ``--edu N`` sets the number of edu
 devices (default 2); ``--cache DIR`` moves the cache (also ``KUBEVIRT_IOMMUFD_CACHE``);
 ``--bind auto|cli|sysfs`` picks how the guest binds the devices (auto: `kubevirt-iommufd bind`
-once the CLI has it, else sysfs writes); ``--timeout S`` bounds the VM's run (default 900 s;
+once the CLI has it, else sysfs writes); ``--timeout S`` bounds the VM's run (default 1500 s;
 then vng and QEMU are killed).
 See docs/system-test.md.
 """
@@ -508,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         " fail only over 1 s: TCG emulation and a busy host slow the guest several-fold)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds the VM may run (default: 900)"
+        "--timeout", type=float, default=1500.0, help="seconds the VM may run (default: 1500)"
     )
     args = parser.parse_args(argv)
     if args.edu < 1:
