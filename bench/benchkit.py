@@ -1,11 +1,29 @@
-"""What the process benchmarks share: a process's peak RSS, percentiles, and the
-node/measure/result table."""
+"""What the process benchmarks share: the device plugin started as on a node, a process's peak
+RSS, percentiles, and the node/measure/result table."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 Row = tuple[str, str, str]
+
+
+def spawn_plugin(work: Path, root: Path, kubelet_dir: Path) -> subprocess.Popen[bytes]:
+    """`kubevirt-iommufd plugin` on the simulated `root`, in iommufd device mode, logging errors
+    only; with no pci.ids, so each GPU resource is named by its device id (nvidia.com/2330)."""
+    config = work / "config.yaml"
+    config.write_text(
+        f"deviceMode: iommufd\npciIds: {work / 'none'}\n"
+        f"iommufd: {{socketDir: {work / 'fds'}, socketOwner: {{uid: 0, gid: 0}}}}\n"
+    )
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "kubevirt_iommufd", "plugin", "--root", str(root),
+            "--kubelet-dir", str(kubelet_dir), "--config", str(config), "--log-level", "error",
+        ],
+    )  # fmt: skip
 
 
 def peak_rss_mb(pid: int) -> float:

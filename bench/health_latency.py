@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.benchkit import Row, p50_p99, print_rows
+from bench.benchkit import Row, p50_p99, print_rows, spawn_plugin
 from kubevirt_iommufd.demo_health import Watcher, slice_shows, stream_says, time_change
 from sim.apiserver import running_apiserver
 from sim.dra_kubelet import DRAKubeletStandIn
@@ -70,9 +70,11 @@ def measure(
     return downs, ups, missed
 
 
-def spawn(command: str, *args: str) -> subprocess.Popen[bytes]:
+def spawn_dra(*args: str) -> subprocess.Popen[bytes]:
+    """`kubevirt-iommufd dra` as the node's only instance (not the new pod of a rolling
+    update, whatever this shell's POD_UID), logging errors only."""
     return subprocess.Popen(
-        [sys.executable, "-m", "kubevirt_iommufd", command, *args, "--log-level", "error"],
+        [sys.executable, "-m", "kubevirt_iommufd", "dra", *args, "--log-level", "error"],
         env={k: v for k, v in os.environ.items() if k != "POD_UID"},
     )
 
@@ -95,8 +97,8 @@ def dra_rows(work: Path) -> list[Row]:
     ):
         api.put_node(NODE)
         kubeconfig = api.write_kubeconfig(work / "kubeconfig")
-        process = spawn(
-            "dra", "--node-name", NODE, "--root", str(root),
+        process = spawn_dra(
+            "--node-name", NODE, "--root", str(root),
             "--kubelet-dir", str(work / "dra-kubelet"), "--cdi-dir", str(work / "cdi"),
             "--state-dir", str(work / "state"), "--kubeconfig", str(kubeconfig),
         )  # fmt: skip
@@ -146,18 +148,10 @@ def plugin_says(kubelet: KubeletStandIn, health: str) -> Watcher:
 
 def plugin_rows(work: Path) -> list[Row]:
     root = build_tree(hgx_h100(), work / "plugin-root")
-    config = work / "plugin.yaml"
-    config.write_text(
-        f"pciIds: {work / 'none'}\n"
-        f"iommufd: {{socketDir: {work / 'fds'}, socketOwner: {{uid: 0, gid: 0}}}}\n"
-    )
     kubelet = KubeletStandIn(work / "plugin-kubelet")
     kubelet.start()
     try:
-        process = spawn(
-            "plugin", "--root", str(root), "--kubelet-dir", str(kubelet.directory),
-            "--config", str(config),
-        )  # fmt: skip
+        process = spawn_plugin(work, root, kubelet.directory)
         with running(process):
             kubelet.wait_registered(RESOURCE, timeout=START_TIMEOUT)
             downs, ups, missed = measure(

@@ -18,24 +18,18 @@ from __future__ import annotations
 
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.benchkit import peak_rss_mb, print_rows
+from bench.benchkit import peak_rss_mb, percentile, print_rows, spawn_plugin
 from sim.host import HostSpec, build_tree, hgx_h100, scale
 from sim.kubelet import KubeletStandIn
 
 IOMMUFD = "devices.kubevirt.io/iommufd"
 RESOURCE = "nvidia.com/2330"  # no pci.ids in the benchmark: the name is the device id
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 def ms(seconds: float) -> str:
@@ -47,21 +41,10 @@ def bench_node(label: str, spec: HostSpec) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     try:
         root = build_tree(spec, work / "root")
-        config = work / "config.yaml"
-        config.write_text(
-            f"deviceMode: iommufd\npciIds: {work / 'none'}\n"
-            f"iommufd: {{socketDir: {work / 'fds'}, socketOwner: {{uid: 0, gid: 0}}}}\n"
-        )
         kubelet = KubeletStandIn(work / "kubelet")
         kubelet.start()
         started = time.monotonic()
-        process = subprocess.Popen(
-            [
-                sys.executable, "-m", "kubevirt_iommufd", "plugin", "--root", str(root),
-                "--kubelet-dir", str(kubelet.directory), "--config", str(config),
-                "--log-level", "error",
-            ],
-        )  # fmt: skip
+        process = spawn_plugin(work, root, kubelet.directory)
         try:
             kubelet.wait_registered(RESOURCE, timeout=30)
             kubelet.wait_registered(IOMMUFD, timeout=30)

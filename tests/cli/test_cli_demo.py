@@ -147,38 +147,46 @@ def test_a_failed_dra_check_fails_the_demo(
     assert "demo FAILED: 1 check(s) did not hold" in out
 
 
-def test_a_kubelet_without_the_health_stream_fails_the_dra_demo(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("stand_in", "replacement", "lines"),
+    [
+        (
+            # A kubelet from before DRAResourceHealth: the driver registers, but no stream opens.
+            "DRAKubeletStandIn",
+            functools.partial(DRAKubeletStandIn, health_services=()),
+            [
+                "FAIL the kubelet's health stream says 8 devices Healthy (1.0 s)",
+                "[7/7] the VM's pod is gone",
+            ],
+        ),
+        (
+            # The DRADeviceTaints feature gate off: the server drops the taint the driver writes.
+            "running_apiserver",
+            functools.partial(running_apiserver, device_taints=False),
+            [
+                "ok   the kubelet reads it Unhealthy, and why, within 1000 ms",
+                "slice: pci-0000-18-00-0 taints [] after (not seen)",
+                "FAIL its slice entry is tainted NoSchedule within 1000 ms: the scheduler"
+                " allocates the 7 others (8 allocatable)",
+                "ok   the taint is gone within 1000 ms: all 8 allocatable again",
+            ],
+        ),
+    ],
+    ids=["kubelet-without-health-stream", "apiserver-dropping-taints"],
+)
+def test_health_not_seen_fails_the_dra_demo(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    stand_in: str,
+    replacement: object,
+    lines: list[str],
 ) -> None:
-    # A kubelet from before DRAResourceHealth: the driver registers, but no stream is opened.
     monkeypatch.setattr(demo_dra, "HEALTH_WAIT", 1.0)
-    monkeypatch.setattr(
-        demo_dra, "DRAKubeletStandIn", functools.partial(DRAKubeletStandIn, health_services=())
-    )
+    monkeypatch.setattr(demo_dra, stand_in, replacement)
     code, out = run_demo(capsys, "dra")
     assert code == 1
-    assert "FAIL the kubelet's health stream says 8 devices Healthy (1.0 s)" in out
-    assert "[7/7] the VM's pod is gone" in out
-    assert "demo FAILED: 1 check(s) did not hold" in out
-
-
-def test_an_api_server_that_drops_taints_fails_the_dra_demo(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The DRADeviceTaints feature gate off: the server drops the taint the driver writes.
-    monkeypatch.setattr(demo_dra, "HEALTH_WAIT", 1.0)
-    monkeypatch.setattr(
-        demo_dra, "running_apiserver", functools.partial(running_apiserver, device_taints=False)
-    )
-    code, out = run_demo(capsys, "dra")
-    assert code == 1
-    assert "ok   the kubelet reads it Unhealthy, and why, within 1000 ms" in out
-    assert "slice: pci-0000-18-00-0 taints [] after (not seen)" in out
-    assert (
-        "FAIL its slice entry is tainted NoSchedule within 1000 ms: the scheduler allocates the 7"
-        " others (8 allocatable)" in out
-    )
-    assert "ok   the taint is gone within 1000 ms: all 8 allocatable again" in out
+    for line in lines:
+        assert line in out
     assert "demo FAILED: 1 check(s) did not hold" in out
 
 
