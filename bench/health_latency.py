@@ -80,12 +80,19 @@ def spawn_dra(*args: str) -> subprocess.Popen[bytes]:
 
 
 @contextmanager
-def running(process: subprocess.Popen[bytes]) -> Iterator[None]:
+def running(name: str, process: subprocess.Popen[bytes]) -> Iterator[None]:
+    """The process for the block's length, then SIGTERM (SIGKILL if not gone within 10 s, as
+    the kubelet would do after a shorter grace period: said on stderr, not waited out)."""
     try:
         yield
     finally:
         process.terminate()
-        process.wait(10)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: not stopped 10 s after SIGTERM; killed", file=sys.stderr)
+            process.kill()
+            process.wait()
 
 
 def dra_rows(work: Path) -> list[Row]:
@@ -102,7 +109,7 @@ def dra_rows(work: Path) -> list[Row]:
             "--kubelet-dir", str(work / "dra-kubelet"), "--cdi-dir", str(work / "cdi"),
             "--state-dir", str(work / "state"), "--kubeconfig", str(kubeconfig),
         )  # fmt: skip
-        with running(process):
+        with running("kubevirt-iommufd dra", process):
             kubelet.wait_health(
                 DRIVER,
                 lambda h: len(h) == 8 and all(s.health == "Healthy" for s in h.values()),
@@ -152,7 +159,7 @@ def plugin_rows(work: Path) -> list[Row]:
     kubelet.start()
     try:
         process = spawn_plugin(work, root, kubelet.directory)
-        with running(process):
+        with running("kubevirt-iommufd plugin", process):
             kubelet.wait_registered(RESOURCE, timeout=START_TIMEOUT)
             downs, ups, missed = measure(
                 root, [plugin_says(kubelet, "Unhealthy")], [plugin_says(kubelet, "Healthy")]
