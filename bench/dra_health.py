@@ -14,6 +14,7 @@ Run: `python -m bench.dra_health` (on a shared machine, under `nice`).
 from __future__ import annotations
 
 import resource
+import statistics
 import tempfile
 import threading
 import time
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from bench.benchkit import p50_p99, print_rows
+from bench.benchkit import print_rows
 from dra.api import ResourceApi
 from dra.driver import DraDriver, DriverSettings
 from dra.health import DeviceHealth, Health
@@ -66,6 +67,12 @@ def timed(change: Callable[[], None], watcher: Watcher, health: Health) -> float
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def stats(values: list[float]) -> str:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return f"{statistics.median(ordered) * 1000:.1f} / {p99 * 1000:.1f} ms"
 
 
 def run_driver(work: Path, api: ResourceApi, poll: float, watcher: Watcher) -> DraDriver:
@@ -130,9 +137,9 @@ def main() -> None:
                 unbind_driver(root, GPU)
                 bind_driver(root, GPU, "vfio-pci")
                 watcher.wait(Health.HEALTHY)
-            rows.append(("unbind -> UNHEALTHY", "p50 / p99", p50_p99(down)))
-            rows.append(("bind -> HEALTHY", "p50 / p99", p50_p99(up)))
-            rows.append(("AER fatal -> UNHEALTHY (poll 50 ms)", "p50 / p99", p50_p99(fatal)))
+            rows.append(("unbind -> UNHEALTHY", "p50 / p99", stats(down)))
+            rows.append(("bind -> HEALTHY", "p50 / p99", stats(up)))
+            rows.append(("AER fatal -> UNHEALTHY (poll 50 ms)", "p50 / p99", stats(fatal)))
             rows.append(("idle CPU, counter poll 50 ms", "8 GPUs", idle_cpu(driver)))
         finally:
             driver.stop()

@@ -29,7 +29,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.benchkit import Row, p50_p99, print_rows, spawn_plugin
+from bench.benchkit import Row, print_rows
+from bench.plugin import RESOURCE, p50_p99, spawn_plugin
 from kubevirt_iommufd.demo_health import Watcher, slice_shows, stream_says, time_change
 from sim.apiserver import running_apiserver
 from sim.dra_kubelet import DRAKubeletStandIn
@@ -40,7 +41,7 @@ NODE = "bench-node"
 DRIVER = "vfio.kubevirt-iommufd.io"
 GPU = "0000:2a:00.0"
 GPU_DEVICE = "pci-0000-2a-00-0"
-RESOURCE = "nvidia.com/2330"  # no pci.ids: the device plugin's resource is named by device id
+NODE_LABEL = "8 GPUs"
 RUNS = 40
 # Events come at any time: spread them over 50-230 ms after the previous one settled.
 SPACING = [0.05 + 0.02 * step for step in range(10)]
@@ -68,6 +69,10 @@ def measure(
                 else:
                     series.append(seen)
     return downs, ups, missed
+
+
+def figures(seconds: list[float]) -> str:
+    return p50_p99(seconds) if seconds else "- (none seen)"
 
 
 def spawn_dra(*args: str) -> subprocess.Popen[bytes]:
@@ -127,13 +132,12 @@ def dra_rows(work: Path) -> list[Row]:
                     slice_shows(api, NODE, DRIVER, GPU_DEVICE, tainted=False),
                 ],
             )
-    label = "DRA driver"
     return [
-        (label, "unbind -> UNHEALTHY, health stream", p50_p99(downs[0])),
-        (label, "unbind -> taint in the slice", p50_p99(downs[1])),
-        (label, "bind -> HEALTHY, health stream", p50_p99(ups[0])),
-        (label, "bind -> taint gone from the slice", p50_p99(ups[1])),
-        (label, "events not seen within 5 s", str(missed)),
+        (NODE_LABEL, "DRA driver: unbind -> UNHEALTHY in the health stream", figures(downs[0])),
+        (NODE_LABEL, "DRA driver: unbind -> taint in the slice", figures(downs[1])),
+        (NODE_LABEL, "DRA driver: bind -> HEALTHY in the health stream", figures(ups[0])),
+        (NODE_LABEL, "DRA driver: bind -> taint gone from the slice", figures(ups[1])),
+        (NODE_LABEL, "DRA driver: events not seen within 5 s", str(missed)),
     ]
 
 
@@ -166,11 +170,10 @@ def plugin_rows(work: Path) -> list[Row]:
             )
     finally:
         kubelet.stop()
-    label = "device plugin"
     return [
-        (label, "unbind -> Unhealthy, ListAndWatch", p50_p99(downs[0])),
-        (label, "bind -> Healthy, ListAndWatch", p50_p99(ups[0])),
-        (label, "events not seen within 5 s", str(missed)),
+        (NODE_LABEL, "device plugin: unbind -> Unhealthy in ListAndWatch", figures(downs[0])),
+        (NODE_LABEL, "device plugin: bind -> Healthy in ListAndWatch", figures(ups[0])),
+        (NODE_LABEL, "device plugin: events not seen within 5 s", str(missed)),
     ]
 
 
@@ -181,8 +184,8 @@ def main() -> int:
         rows = dra_rows(work) + plugin_rows(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"8 GPUs, {RUNS} events each way, load average {load:.2f} on {os.cpu_count()} CPUs")
-    print_rows(rows, first="component")
+    print(f"{RUNS} events each way, p50 / p99; load average {load:.2f} on {os.cpu_count()} CPUs")
+    print_rows(rows)
     return 0
 
 

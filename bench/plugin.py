@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.benchkit import peak_rss_mb, percentile, print_rows, spawn_plugin
+from bench.benchkit import peak_rss_mb, print_rows
 from sim.host import HostSpec, build_tree, hgx_h100, scale
 from sim.kubelet import KubeletStandIn
 
@@ -32,8 +33,29 @@ IOMMUFD = "devices.kubevirt.io/iommufd"
 RESOURCE = "nvidia.com/2330"  # no pci.ids in the benchmark: the name is the device id
 
 
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f}"
+
+
+def spawn_plugin(work: Path, root: Path, kubelet_dir: Path) -> subprocess.Popen[bytes]:
+    """`kubevirt-iommufd plugin` as on a node, on the simulated `root`: iommufd device mode, no
+    pci.ids (so `RESOURCE`), errors logged only."""
+    config = work / "config.yaml"
+    config.write_text(
+        f"deviceMode: iommufd\npciIds: {work / 'none'}\n"
+        f"iommufd: {{socketDir: {work / 'fds'}, socketOwner: {{uid: 0, gid: 0}}}}\n"
+    )
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "kubevirt_iommufd", "plugin", "--root", str(root),
+            "--kubelet-dir", str(kubelet_dir), "--config", str(config), "--log-level", "error",
+        ],
+    )  # fmt: skip
 
 
 def bench_node(label: str, spec: HostSpec) -> list[tuple[str, str, str]]:
