@@ -42,26 +42,31 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f}"
 
 
+def spawn_plugin(work: Path, root: Path, kubelet_dir: Path) -> subprocess.Popen[bytes]:
+    """`kubevirt-iommufd plugin` as on a node, on the simulated `root`: iommufd device mode, no
+    pci.ids (so `RESOURCE`), errors logged only."""
+    config = work / "config.yaml"
+    config.write_text(
+        f"deviceMode: iommufd\npciIds: {work / 'none'}\n"
+        f"iommufd: {{socketDir: {work / 'fds'}, socketOwner: {{uid: 0, gid: 0}}}}\n"
+    )
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "kubevirt_iommufd", "plugin", "--root", str(root),
+            "--kubelet-dir", str(kubelet_dir), "--config", str(config), "--log-level", "error",
+        ],
+    )  # fmt: skip
+
+
 def bench_node(label: str, spec: HostSpec) -> list[tuple[str, str, str]]:
     work = Path(tempfile.mkdtemp(prefix="kb-", dir="/tmp"))
     rows: list[tuple[str, str, str]] = []
     try:
         root = build_tree(spec, work / "root")
-        config = work / "config.yaml"
-        config.write_text(
-            f"deviceMode: iommufd\npciIds: {work / 'none'}\n"
-            f"iommufd: {{socketDir: {work / 'fds'}, socketOwner: {{uid: 0, gid: 0}}}}\n"
-        )
         kubelet = KubeletStandIn(work / "kubelet")
         kubelet.start()
         started = time.monotonic()
-        process = subprocess.Popen(
-            [
-                sys.executable, "-m", "kubevirt_iommufd", "plugin", "--root", str(root),
-                "--kubelet-dir", str(kubelet.directory), "--config", str(config),
-                "--log-level", "error",
-            ],
-        )  # fmt: skip
+        process = spawn_plugin(work, root, kubelet.directory)
         try:
             kubelet.wait_registered(RESOURCE, timeout=30)
             kubelet.wait_registered(IOMMUFD, timeout=30)

@@ -19,7 +19,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             " its gRPC socket, printing each step. The dra scenario runs the real DRA driver"
             " instead, against a kubelet stand-in and an API server stand-in over HTTPS:"
             " ResourceSlices published, a claim allocated as the scheduler would, prepared"
-            " (the CDI spec and KubeVirt's device metadata file printed) and unprepared."
+            " (the CDI spec and KubeVirt's device metadata file printed), its GPU unbound and"
+            " bound again (the kubelet's health stream and the slice's taint follow, timed) and"
+            " the claim unprepared."
             " Exit 0 only when every step did what it should."
         ),
     )

@@ -3,8 +3,10 @@
 The real driver (`dra.driver.DraDriver`) runs in this process against the DRA kubelet stand-in
 (registration and DRAPlugin v1 over gRPC on unix sockets) and the API server stand-in (the real
 `kubernetes` client over HTTPS). The demo plays the scheduler: it allocates a claim on one of the
-published devices by writing the claim's status, as kube-scheduler does. Each step prints what
-happened and checks it.
+published devices by writing the claim's status, as kube-scheduler does. While the claim is
+prepared its GPU is unbound from vfio-pci and bound again: the kubelet's health stream and the
+device's taint in the slice follow, timed (`demo_health`). Each step prints what happened and
+checks it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
 from kubevirt_iommufd.demo_checks import Checks
+from kubevirt_iommufd.demo_health import device_taints, slice_shows, stream_says, time_change
 from kubevirt_iommufd.demo_scenarios import Scenario
 from sim.apiserver import (
     AllocatedDevice,
@@ -33,8 +36,8 @@ from sim.apiserver import (
     build_resource_claim,
     running_apiserver,
 )
-from sim.dra_kubelet import Claim, DRAKubeletStandIn, PrepareResult
-from sim.host import build_tree
+from sim.dra_kubelet import Claim, DRAKubeletStandIn, PrepareResult, SeenHealth
+from sim.host import bind_driver, build_tree, unbind_driver
 
 NODE = "gpu-node-1"
 NAMESPACE = "vms"
@@ -45,6 +48,10 @@ PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 METADATA_ROOT = "/var/run/kubernetes.io/dra-device-attributes"
 # Attributes shown per device in the slice summary (all of them are in the metadata file).
 SHOWN = (PCI_BUS_ID, "productName", "numaNode", "iommuGroup", "iommufd")
+# How long the health step waits for the stream and the slice, and how soon it wants them (the
+# driver's aim is 100 ms on a quiet machine; the demo may share a busy one).
+HEALTH_WAIT = 5.0
+HEALTH_WITHIN = 1.0
 Object = dict[str, Any]
 
 
@@ -71,6 +78,7 @@ def run_dra(scenario: Scenario, work: Path, checks: Checks) -> None:
         if result is None:
             return
         files = _step_files(scenario, root, inventory, claim, devices[0], settings, checks)
+        _step_health(api, kubelet, root, devices[0], files, checks)
         _step_unprepare(kubelet, claim, files, settings, checks)
 
 
@@ -253,6 +261,84 @@ def _step_files(
     return [spec_path, host_path]
 
 
+def _step_health(
+    api: ApiServerStandIn,
+    kubelet: DRAKubeletStandIn,
+    root: Path,
+    device: Object,
+    files: list[Path],
+    checks: Checks,
+) -> None:
+    checks.step(6, "the VM's GPU loses vfio-pci and gets it back: the health stream and the slice")
+    name, bdf = device["name"], str(_bdf(device))
+    key = f"{NODE}/{name}"
+    try:
+        kubelet.wait_health(DEFAULT_DRIVER, lambda h: _all_healthy(h, 8), HEALTH_WAIT)
+    except TimeoutError:
+        checks.check(False, f"the kubelet's health stream says 8 devices Healthy ({HEALTH_WAIT} s)")
+        return
+    checks.show(f"NodeWatchResources (gRPC): 8 devices Healthy; unbind {bdf} from vfio-pci")
+    down = time_change(
+        lambda: unbind_driver(root, bdf),
+        [
+            stream_says(kubelet, DEFAULT_DRIVER, key, "Unhealthy"),
+            slice_shows(api, NODE, DEFAULT_DRIVER, name, tainted=True),
+        ],
+        HEALTH_WAIT,
+    )
+    seen = kubelet.health(DEFAULT_DRIVER).get(key)
+    checks.show(f"health stream: {key} {seen.health if seen else '-'} after {_ms(down[0])}")
+    checks.show(f"  {seen.message if seen else ''}")
+    taints = device_taints(api.slices(NODE, DEFAULT_DRIVER), DEFAULT_DRIVER, name) or []
+    checks.show(f"slice: {name} taints {json.dumps(taints)} after {_ms(down[1])}")
+    allocatable = api.allocatable(NODE, DEFAULT_DRIVER)
+    checks.check(
+        _within(down[0]) and seen is not None and bool(seen.message),
+        f"the kubelet reads it Unhealthy, and why, within {_ms(HEALTH_WITHIN)}",
+    )
+    checks.check(
+        _within(down[1]) and name not in allocatable and len(allocatable) == 7,
+        f"its slice entry is tainted NoSchedule within {_ms(HEALTH_WITHIN)}: the scheduler"
+        f" allocates the 7 others ({len(allocatable)} allocatable)",
+    )
+    checks.check(
+        bool(files) and all(p.exists() for p in files),
+        "the claim stays prepared, its CDI spec and metadata in place: the VM decides",
+    )
+    checks.show(f"bind {bdf} to vfio-pci again")
+    up = time_change(
+        lambda: bind_driver(root, bdf, "vfio-pci"),
+        [
+            stream_says(kubelet, DEFAULT_DRIVER, key, "Healthy"),
+            slice_shows(api, NODE, DEFAULT_DRIVER, name, tainted=False),
+        ],
+        HEALTH_WAIT,
+    )
+    checks.show(f"health stream: {key} Healthy after {_ms(up[0])}")
+    checks.show(f"slice: {name} untainted after {_ms(up[1])}")
+    allocatable = api.allocatable(NODE, DEFAULT_DRIVER)
+    checks.check(
+        _within(up[0]) and _all_healthy(kubelet.health(DEFAULT_DRIVER), 8),
+        f"the kubelet reads it Healthy again within {_ms(HEALTH_WITHIN)}",
+    )
+    checks.check(
+        _within(up[1]) and len(allocatable) == 8,
+        f"the taint is gone within {_ms(HEALTH_WITHIN)}: all 8 allocatable again",
+    )
+
+
+def _all_healthy(health: dict[str, SeenHealth], count: int) -> bool:
+    return len(health) == count and all(h.health == "Healthy" for h in health.values())
+
+
+def _within(seconds: float | None) -> bool:
+    return seconds is not None and seconds <= HEALTH_WITHIN
+
+
+def _ms(seconds: float | None) -> str:
+    return "(not seen)" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
 def _step_unprepare(
     kubelet: DRAKubeletStandIn,
     claim: Claim,
@@ -260,7 +346,7 @@ def _step_unprepare(
     settings: DriverSettings,
     checks: Checks,
 ) -> None:
-    checks.step(6, "the VM's pod is gone: NodeUnprepareResources (gRPC)")
+    checks.step(7, "the VM's pod is gone: NodeUnprepareResources (gRPC)")
     errors = kubelet.node_unprepare_resources([claim])
     checks.show(f"answer: {errors}")
     checks.check(errors == {claim.uid: ""}, "the claim is unprepared, with no error")

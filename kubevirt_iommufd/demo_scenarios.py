@@ -22,7 +22,7 @@ class Scenario:
 
     @property
     def steps(self) -> int:
-        return 6 if self.flow == "dra" else 5
+        return 7 if self.flow == "dra" else 5
 
 
 SCENARIOS = {
@@ -46,7 +46,7 @@ SCENARIOS = {
     ),
     "dra": Scenario(
         "the DRA driver on 8 H100 GPUs: ResourceSlices, a claim prepared with CDI and the"
-        " device metadata file KubeVirt reads",
+        " device metadata file KubeVirt reads, a GPU going unhealthy and back",
         hgx_h100,
         "12.9.0",
         "iommufd",

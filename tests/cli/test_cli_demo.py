@@ -3,13 +3,16 @@ all held (and 1 when one does not)."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
 import pytest
 
-from kubevirt_iommufd import demo_scenarios
+from kubevirt_iommufd import demo_dra, demo_scenarios
 from kubevirt_iommufd.cli import main
+from sim.apiserver import running_apiserver
+from sim.dra_kubelet import DRAKubeletStandIn
 from sim.host import legacy_only
 
 
@@ -78,7 +81,7 @@ def test_dra_scenario(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, out
     assert "FAIL" not in out
     for expected in (
-        "[1/6] the DRA driver starts on a simulated node and registers with the kubelet",
+        "[1/7] the DRA driver starts on a simulated node and registers with the kubelet",
         "GetInfo -> DRAPlugin vfio.kubevirt-iommufd.io, versions v1.DRAPlugin, v1beta1.DRAPlugin",
         "ok   registered: the kubelet speaks v1.DRAPlugin to dra.sock",
         "pool gpu-node-1, generation 1: 1 slice(s) (gpu-node-1-vfio.kubevirt-iommufd.io-0), 8",
@@ -96,12 +99,26 @@ def test_dra_scenario(capsys: pytest.CaptureFixture[str]) -> None:
         '"kind": "DeviceMetadata"',
         '"resource.kubernetes.io/pciBusID": {"string": "0000:18:00.0"},',
         "ok   one request, one device, its PCI address 0000:18:00.0: what KubeVirt expects",
-        "[6/6] the VM's pod is gone: NodeUnprepareResources (gRPC)",
+        "[6/7] the VM's GPU loses vfio-pci and gets it back: the health stream and the slice",
+        "NodeWatchResources (gRPC): 8 devices Healthy; unbind 0000:18:00.0 from vfio-pci",
+        "health stream: gpu-node-1/pci-0000-18-00-0 Unhealthy after ",
+        "cannot be given to a VM: bound to no driver",
+        'slice: pci-0000-18-00-0 taints [{"key": "vfio.kubevirt-iommufd.io/unhealthy",'
+        ' "effect": "NoSchedule", "timeAdded": ',
+        "ok   the kubelet reads it Unhealthy, and why, within 1000 ms",
+        "ok   its slice entry is tainted NoSchedule within 1000 ms: the scheduler allocates the 7"
+        " others (7 allocatable)",
+        "ok   the claim stays prepared, its CDI spec and metadata in place: the VM decides",
+        "health stream: gpu-node-1/pci-0000-18-00-0 Healthy after ",
+        "slice: pci-0000-18-00-0 untainted after ",
+        "ok   the kubelet reads it Healthy again within 1000 ms",
+        "ok   the taint is gone within 1000 ms: all 8 allocatable again",
+        "[7/7] the VM's pod is gone: NodeUnprepareResources (gRPC)",
         "ok   its CDI spec, metadata file and state record are gone",
         "demo passed: every step did what it should",
     ):
         assert expected in out
-    assert out.count("\n  ok   ") == 16
+    assert out.count("\n  ok   ") == 21
 
 
 def test_a_failed_check_fails_the_demo(
@@ -127,6 +144,49 @@ def test_a_failed_dra_check_fails_the_demo(
     assert code == 1
     assert "FAIL device nodes for iommufd: (no cdev) /dev/iommu /dev/vfio/vfio" in out
     assert "ok   its CDI spec, metadata file and state record are gone" in out
+    assert "demo FAILED: 1 check(s) did not hold" in out
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "replacement", "lines"),
+    [
+        (
+            # A kubelet from before DRAResourceHealth: the driver registers, but no stream opens.
+            "DRAKubeletStandIn",
+            functools.partial(DRAKubeletStandIn, health_services=()),
+            [
+                "FAIL the kubelet's health stream says 8 devices Healthy (1.0 s)",
+                "[7/7] the VM's pod is gone",
+            ],
+        ),
+        (
+            # The DRADeviceTaints feature gate off: the server drops the taint the driver writes.
+            "running_apiserver",
+            functools.partial(running_apiserver, device_taints=False),
+            [
+                "ok   the kubelet reads it Unhealthy, and why, within 1000 ms",
+                "slice: pci-0000-18-00-0 taints [] after (not seen)",
+                "FAIL its slice entry is tainted NoSchedule within 1000 ms: the scheduler"
+                " allocates the 7 others (8 allocatable)",
+                "ok   the taint is gone within 1000 ms: all 8 allocatable again",
+            ],
+        ),
+    ],
+    ids=["kubelet-without-health-stream", "apiserver-dropping-taints"],
+)
+def test_health_not_seen_fails_the_dra_demo(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    stand_in: str,
+    replacement: object,
+    lines: list[str],
+) -> None:
+    monkeypatch.setattr(demo_dra, "HEALTH_WAIT", 1.0)
+    monkeypatch.setattr(demo_dra, stand_in, replacement)
+    code, out = run_demo(capsys, "dra")
+    assert code == 1
+    for line in lines:
+        assert line in out
     assert "demo FAILED: 1 check(s) did not hold" in out
 
 
