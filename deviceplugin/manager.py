@@ -52,7 +52,7 @@ from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
 
 log = logging.getLogger(__name__)
-
+_SIGNAL_SLICE = 0.5
 _RETRY_FIRST = 0.5
 _RETRY_MAX = 30.0
 _SETTLE = 0.5
@@ -253,11 +253,25 @@ class PluginManager:
         if self._unregistered and self._retry_at is not None and time.monotonic() >= self._retry_at:
             self._register_pending()
 
+    def _first_event(self, timeout: float) -> _Event | None:
+        """The next event, or None after `timeout`. Waited for in slices: a SIGTERM the kernel
+        delivers to one of gRPC's threads only marks the handler as due, and the main thread runs
+        it when it next runs Python code; one wait of up to a re-scan interval could outlast the
+        pod's grace period."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                return self._events.get(
+                    timeout=min(_SIGNAL_SLICE, max(0.0, end - time.monotonic()))
+                )
+            except queue.Empty:
+                if time.monotonic() >= end:
+                    return None
+
     def _collect(self, timeout: float) -> _Batch:
         batch = _Batch()
-        try:
-            first = self._events.get(timeout=timeout)
-        except queue.Empty:
+        first = self._first_event(timeout)
+        if first is None:
             return batch
         pending: list[_Event] = [first]
         while True:
