@@ -356,6 +356,9 @@ def _check_kills(run: Runner, edu: Edu, scratch: Path, state_dir: Path) -> Claim
     with run.check(title) as check:
         with _dra_driver(scratch / "dra-kill-b", state_dir, "unbind") as dra:
             dra.kubelet.wait_registered(DRIVER, timeout=START_TIMEOUT_S)
+            # The kubelet is served before the API client is loaded (tens of seconds under TCG):
+            # the slices come after the registration.
+            _wait(lambda: dra.current_driver(name) == "", START_TIMEOUT_S, "published", dra)
             require(edu.driver() is None, f"{edu.bdf} is on {edu.driver()}, not on no driver")
             require(_override(edu) == "(null)", f"driver_override {_override(edu)!r}")
             require(not dra.journal(), f"binding journal left: {dra.journal()}")
