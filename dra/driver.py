@@ -10,7 +10,8 @@ claim is prepared, so a claim never gets a device on the strength of an old read
 After each reading the one event thread judges every published device's health
 (dra.health_judge) and hands the complete list to the kubelet's health stream (dra.health_stream),
 to the publisher, which taints the unhealthy devices' slice entries, and to `on_health`; the PCIe
-error counters, which send no event, it reads every `aer_poll_interval` seconds in between.
+error counters, which send no event, it reads every `aer_poll_interval` seconds in between (less
+often on a host so large that reading them would take more than COUNTER_SHARE of the time).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ from hostdev.pciids import PciIds
 log = logging.getLogger(__name__)
 CLAIMS_FOLLOW_SECONDS = 0.2
 """How often the claim records are looked at for another instance's prepares and unprepares."""
+COUNTER_SHARE = 0.05
+"""The most of its time the event thread spends reading error counters between events: a
+reading is two sysfs files per device, tens of milliseconds on 4,096 functions, which every
+`aer_poll_interval` would keep a core busy and slow every prepare beside it."""
 # The container runtime (root) reads the CDI specs and bind-mounts the metadata files into the
 # virt-launcher pod, where KubeVirt reads them as uid 107: those directories may be read and
 # passed through by all, and written by root alone.
@@ -272,9 +277,11 @@ class DraDriver:
         interval = self.settings.rescan_interval
         poll = self.settings.aer_poll_interval
         next_rescan = time.monotonic() + interval
+        next_poll = time.monotonic() + poll
         while True:
-            wait = next_rescan - time.monotonic()
-            batch = _take(self._events, max(0.0, min(wait, poll) if poll > 0 else wait))
+            now = time.monotonic()
+            wait = min(next_rescan, next_poll) if poll > 0 else next_rescan
+            batch = _take(self._events, max(0.0, wait - now))
             if batch and batch[-1] is None:
                 return
             if time.monotonic() >= next_rescan:
@@ -282,8 +289,11 @@ class DraDriver:
                 next_rescan = time.monotonic() + interval
             if batch:
                 self._handle(batch)
-            else:
+            elif poll > 0 and time.monotonic() >= next_poll:
+                started = time.monotonic()
                 self._poll_counters()
+                took = time.monotonic() - started
+                next_poll = started + max(poll, took / COUNTER_SHARE)
 
     def _handle(self, batch: list[Event]) -> None:
         host = [e for e in batch if isinstance(e, DevicesChanged)]
@@ -304,7 +314,8 @@ class DraDriver:
             log.error("re-reading the host failed: %s", error)
             return
         reprobed = frozenset().union(*(e.bdfs for e in host if e.reprobed))
-        self._judge(devices, reprobed, report=True)
+        # A claim prepared or forgotten changes no counter: the polls read them.
+        self._judge(devices, reprobed, report=True, counters=bool(host))
 
     def _poll_counters(self) -> None:
         """Between events: read the counters again, and judge when they moved or a device's
@@ -329,11 +340,17 @@ class DraDriver:
         return self._aer
 
     def _judge(
-        self, devices: tuple[DraDevice, ...], reprobed: frozenset[Bdf], *, report: bool
+        self,
+        devices: tuple[DraDevice, ...],
+        reprobed: frozenset[Bdf],
+        *,
+        report: bool,
+        counters: bool | None = None,
     ) -> None:
         """Judge every published device's health, log each change once and hand the list on:
-        always after a reading of the host, after a counter reading only when it changed."""
-        if report:
+        always after a reading of the host, after a counter reading only when it changed. The
+        counters are read first when `counters` (by default when `report`)."""
+        if report if counters is None else counters:
             self._read_counters(devices)
         claims = {
             d.bdf: str(ClaimRef(c.namespace, c.name, c.uid)) for c in self.store for d in c.devices
