@@ -56,6 +56,10 @@ from hostdev.pciids import PciIds
 log = logging.getLogger(__name__)
 CLAIMS_FOLLOW_SECONDS = 0.2
 """How often the claim records are looked at for another instance's prepares and unprepares."""
+PERIODIC = "periodic re-scan"
+RESCAN_SHARE = 0.1
+"""The most of its time the event thread spends reading the whole host on its own (not for an
+event): on 4,096 functions a reading takes half a second, and more beside a busy driver."""
 COUNTER_SHARE = 0.05
 """The most of its time the event thread spends reading error counters between events: a
 reading is two sysfs files per device, tens of milliseconds on 4,096 functions, which every
@@ -115,6 +119,8 @@ class DraDriver:
         self._on_health = on_health
         self._health = HealthState()
         self._aer: dict[Bdf, AerCounts | None] = {}
+        self._next_whole_read = 0.0
+        """When the periodic re-scan may next read the whole host (see RESCAN_SHARE)."""
         self.host = HostCache(settings.root, config, names)
         self.store = ClaimStore(settings.state_dir)
         self._paths = Paths(settings.cdi_dir, settings.state_dir / "metadata")
@@ -285,7 +291,11 @@ class DraDriver:
             if batch and batch[-1] is None:
                 return
             if time.monotonic() >= next_rescan:
-                batch.append(DevicesChanged(frozenset(), "periodic re-scan", rescan=True))
+                # Every interval the devices' health is judged and handed on; the whole host
+                # is read again only as often as RESCAN_SHARE allows (a second on 4,096
+                # functions under load), otherwise the device nodes alone are.
+                whole = time.monotonic() >= self._next_whole_read
+                batch.append(DevicesChanged(frozenset(), PERIODIC, rescan=whole))
                 next_rescan = time.monotonic() + interval
             if batch:
                 self._handle(batch)
@@ -298,13 +308,16 @@ class DraDriver:
     def _handle(self, batch: list[Event]) -> None:
         host = [e for e in batch if isinstance(e, DevicesChanged)]
         try:
-            if host:
-                # No functions named: only the device nodes are looked at again.
-                self.host.scan(
-                    None
-                    if any(e.rescan for e in host)
-                    else frozenset().union(*(e.bdfs for e in host))
+            if any(e.rescan for e in host):
+                started = time.monotonic()
+                self.host.scan(None)
+                took = time.monotonic() - started
+                self._next_whole_read = started + max(
+                    self.settings.rescan_interval, took / RESCAN_SHARE
                 )
+            elif host:
+                # No functions named: only the device nodes are looked at again.
+                self.host.scan(frozenset().union(*(e.bdfs for e in host)))
             # After a prepare only which group companions are hidden can change: a filter
             # over the devices already built. They are published with their health (below).
             devices = self._published()
@@ -314,8 +327,10 @@ class DraDriver:
             log.error("re-reading the host failed: %s", error)
             return
         reprobed = frozenset().union(*(e.bdfs for e in host if e.reprobed))
-        # A claim prepared or forgotten changes no counter: the polls read them.
-        self._judge(devices, reprobed, report=True, counters=bool(host))
+        # A claim prepared or forgotten, or the interval passing, changes no counter: the
+        # polls read them.
+        periodic = all(e.reason == PERIODIC for e in host)
+        self._judge(devices, reprobed, report=True, counters=not periodic)
 
     def _poll_counters(self) -> None:
         """Between events: read the counters again, and judge when they moved or a device's
