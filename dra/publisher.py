@@ -87,6 +87,11 @@ class SlicePublisher:
         """The slices as our last writes left them, or None: list them."""
         self._relist = threading.Event()
         """Someone else may have written the slices since: list them before planning."""
+        self._seen: list[tuple[str, str, str]] = []
+        """Watch events (kind, name, resourceVersion) not known to be ours when they came."""
+        self._version = 0
+        """Counts the changes `update` was given; `_written` is the one last published."""
+        self._written = -1
 
     def start(self) -> None:
         self._dirty.set()
@@ -118,6 +123,7 @@ class SlicePublisher:
             self._devices = tuple(devices)
             self._taints = taints
             self._changed_at = time.monotonic()
+            self._version += 1
         self._dirty.set()
 
     def _reconcile_loop(self) -> None:
@@ -166,6 +172,15 @@ class SlicePublisher:
             # Sent, they would be dropped again and the pool rewritten on every reconcile; with
             # two instances publishing it, each would wake the other without end.
             taints = NO_TAINTS
+        with self._lock:
+            seen, self._seen = self._seen, []
+            version = self._version
+        for kind, name, written in seen:
+            if kind == "DELETED" or written not in self._ours:
+                log.info("slice %s %s by someone else: publishing again", name, kind.lower())
+                self._relist.set()
+        if not self._relist.is_set() and self._held is not None and version == self._written:
+            return  # woken by our own writes coming back
         if self._relist.is_set() or self._held is None:
             self._relist.clear()
             self._held = None
@@ -189,6 +204,7 @@ class SlicePublisher:
                 len(plan.create) + len(plan.update) or 1,
                 plan.generation,
             )
+        self._written = version
 
     def _apply(self, plan: SlicePlan) -> bool:
         """Write the plan, keeping what the server answered as the slices it holds; whether
@@ -236,12 +252,10 @@ class SlicePublisher:
                         continue
                     written = str((item.get("metadata") or {}).get("resourceVersion"))
                     if kind == "DELETED" or written not in self._ours:
-                        self._relist.set()
-                        log.info(
-                            "slice %s %s by someone else: publishing again",
-                            (item.get("metadata") or {}).get("name"),
-                            kind.lower(),
-                        )
+                        # Maybe ours still: a write's event can come before its answer.
+                        name = str((item.get("metadata") or {}).get("name"))
+                        with self._lock:
+                            self._seen.append((kind, name, written))
                         self._dirty.set()
             # Any failure: the watch must come back whatever ended it.
             except Exception as error:
