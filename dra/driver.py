@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 CLAIMS_FOLLOW_SECONDS = 0.2
 """How often the claim records are looked at for another instance's prepares and unprepares."""
 PERIODIC = "periodic re-scan"
+CLAIMS_QUIET_SECONDS = 0.1
+"""Claims prepared or forgotten are handled (their group companions hidden or shown, every
+device's health judged and handed on) once none has come for this long, or CLAIMS_MAX_SECONDS
+after the first at the latest."""
+CLAIMS_MAX_SECONDS = 0.5
 RESCAN_SHARE = 0.1
 """The most of its time the event thread spends reading the whole host on its own (not for an
 event): on 4,096 functions a reading takes half a second, and more beside a busy driver."""
@@ -284,12 +289,31 @@ class DraDriver:
         poll = self.settings.aer_poll_interval
         next_rescan = time.monotonic() + interval
         next_poll = time.monotonic() + poll
+        # Claims prepared or forgotten, not yet handled: a burst of them is judged once.
+        held: list[Event] = []
+        held_first = held_last = 0.0
         while True:
             now = time.monotonic()
             wait = min(next_rescan, next_poll) if poll > 0 else next_rescan
+            if held:
+                wait = min(wait, held_last + CLAIMS_QUIET_SECONDS, held_first + CLAIMS_MAX_SECONDS)
             batch = _take(self._events, max(0.0, wait - now))
             if batch and batch[-1] is None:
                 return
+            if batch and not any(isinstance(e, DevicesChanged) for e in batch):
+                # Each judgement hands every device's health to the kubelet and the
+                # publisher: on 4,096 functions tens of milliseconds of the driver's time,
+                # which a prepare beside it would wait for.
+                held_first = held_first if held else time.monotonic()
+                held_last = time.monotonic()
+                held += batch
+                batch = []
+            if held and (
+                batch
+                or time.monotonic()
+                >= min(held_last + CLAIMS_QUIET_SECONDS, held_first + CLAIMS_MAX_SECONDS)
+            ):
+                batch, held = held + batch, []
             if time.monotonic() >= next_rescan:
                 # Every interval the devices' health is judged and handed on; the whole host
                 # is read again only as often as RESCAN_SHARE allows (a second on 4,096
