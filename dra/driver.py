@@ -10,7 +10,8 @@ claim is prepared, so a claim never gets a device on the strength of an old read
 After each reading the one event thread judges every published device's health
 (dra.health_judge) and hands the complete list to the kubelet's health stream (dra.health_stream),
 to the publisher, which taints the unhealthy devices' slice entries, and to `on_health`; the PCIe
-error counters, which send no event, it reads every `aer_poll_interval` seconds in between.
+error counters, which send no event, it reads every `aer_poll_interval` seconds in between (less
+often on a host so large that reading them would take more than COUNTER_SHARE of the time).
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ PUBLISHED_FILE = "published-devices.json"
 next (HostCache.remember)."""
 CLAIMS_FOLLOW_SECONDS = 0.2
 """How often the claim records are looked at for another instance's prepares and unprepares."""
+PERIODIC = "periodic re-scan"
+CLAIMS_QUIET_SECONDS = 0.1
+"""Claims prepared or forgotten are handled (their group companions hidden or shown, every
+device's health judged and handed on) once none has come for this long, or CLAIMS_MAX_SECONDS
+after the first at the latest."""
+CLAIMS_MAX_SECONDS = 0.5
+RESCAN_SHARE = 0.1
+"""The most of its time the event thread spends reading the whole host on its own (not for an
+event): on 4,096 functions a reading takes half a second, and more beside a busy driver."""
+COUNTER_SHARE = 0.05
+"""The most of its time the event thread spends reading error counters between events: a
+reading is two sysfs files per device, tens of milliseconds on 4,096 functions, which every
+`aer_poll_interval` would keep a core busy and slow every prepare beside it."""
 # The container runtime (root) reads the CDI specs and bind-mounts the metadata files into the
 # virt-launcher pod, where KubeVirt reads them as uid 107: those directories may be read and
 # passed through by all, and written by root alone.
@@ -133,9 +147,11 @@ class DraDriver:
         self._health = HealthState()
         self._aer: dict[Bdf, AerCounts | None] = {}
         self._baselines: dict[str, Baseline] = {}
+        """As last written for the next judge to start (dra.health_memory)."""
         self._remembered: tuple[DraDevice, ...] = ()
         """The devices as last written for the next instance (HostCache.remember)."""
-        """As last written for the next judge to start (dra.health_memory)."""
+        self._next_whole_read = 0.0
+        """When the periodic re-scan may next read the whole host (see RESCAN_SHARE)."""
         self.host = HostCache(settings.root, config, names)
         self.store = ClaimStore(settings.state_dir)
         handoff = build_handoff_config(settings, config)
@@ -310,29 +326,60 @@ class DraDriver:
         interval = self.settings.rescan_interval
         poll = self.settings.aer_poll_interval
         next_rescan = time.monotonic() + interval
+        next_poll = time.monotonic() + poll
+        # Claims prepared or forgotten, not yet handled: a burst of them is judged once.
+        held: list[Event] = []
+        held_first = held_last = 0.0
         while True:
-            wait = next_rescan - time.monotonic()
-            batch = _take(self._events, max(0.0, min(wait, poll) if poll > 0 else wait))
+            now = time.monotonic()
+            wait = min(next_rescan, next_poll) if poll > 0 else next_rescan
+            if held:
+                wait = min(wait, held_last + CLAIMS_QUIET_SECONDS, held_first + CLAIMS_MAX_SECONDS)
+            batch = _take(self._events, max(0.0, wait - now))
             if batch and batch[-1] is None:
                 return
+            if batch and not any(isinstance(e, DevicesChanged) for e in batch):
+                # Each judgement hands every device's health to the kubelet and the
+                # publisher: on 4,096 functions tens of milliseconds of the driver's time,
+                # which a prepare beside it would wait for.
+                held_first = held_first if held else time.monotonic()
+                held_last = time.monotonic()
+                held += batch
+                batch = []
+            if held and (
+                batch
+                or time.monotonic()
+                >= min(held_last + CLAIMS_QUIET_SECONDS, held_first + CLAIMS_MAX_SECONDS)
+            ):
+                batch, held = held + batch, []
             if time.monotonic() >= next_rescan:
-                batch.append(DevicesChanged(frozenset(), "periodic re-scan", rescan=True))
+                # Every interval the devices' health is judged and handed on; the whole host
+                # is read again only as often as RESCAN_SHARE allows (a second on 4,096
+                # functions under load), otherwise the device nodes alone are.
+                whole = time.monotonic() >= self._next_whole_read
+                batch.append(DevicesChanged(frozenset(), PERIODIC, rescan=whole))
                 next_rescan = time.monotonic() + interval
             if batch:
                 self._handle(batch)
-            else:
+            elif poll > 0 and time.monotonic() >= next_poll:
+                started = time.monotonic()
                 self._poll_counters()
+                took = time.monotonic() - started
+                next_poll = started + max(poll, took / COUNTER_SHARE)
 
     def _handle(self, batch: list[Event]) -> None:
         host = [e for e in batch if isinstance(e, DevicesChanged)]
         try:
-            if host:
-                # No functions named: only the device nodes are looked at again.
-                self.host.scan(
-                    None
-                    if any(e.rescan for e in host)
-                    else frozenset().union(*(e.bdfs for e in host))
+            if any(e.rescan for e in host):
+                started = time.monotonic()
+                self.host.scan(None)
+                took = time.monotonic() - started
+                self._next_whole_read = started + max(
+                    self.settings.rescan_interval, took / RESCAN_SHARE
                 )
+            elif host:
+                # No functions named: only the device nodes are looked at again.
+                self.host.scan(frozenset().union(*(e.bdfs for e in host)))
             # After a prepare only which group companions are hidden can change: a filter
             # over the devices already built. They are published with their health (below).
             devices = self._published()
@@ -342,7 +389,10 @@ class DraDriver:
             log.error("re-reading the host failed: %s", error)
             return
         reprobed = frozenset().union(*(e.bdfs for e in host if e.reprobed))
-        self._judge(devices, reprobed, report=True)
+        # A claim prepared or forgotten, or the interval passing, changes no counter: the
+        # polls read them.
+        periodic = all(e.reason == PERIODIC for e in host)
+        self._judge(devices, reprobed, report=True, counters=not periodic)
 
     def _poll_counters(self) -> None:
         """Between events: read the counters again, and judge when they moved or a device's
@@ -367,11 +417,17 @@ class DraDriver:
         return self._aer
 
     def _judge(
-        self, devices: tuple[DraDevice, ...], reprobed: frozenset[Bdf], *, report: bool
+        self,
+        devices: tuple[DraDevice, ...],
+        reprobed: frozenset[Bdf],
+        *,
+        report: bool,
+        counters: bool | None = None,
     ) -> None:
         """Judge every published device's health, log each change once and hand the list on:
-        always after a reading of the host, after a counter reading only when it changed."""
-        if report:
+        always after a reading of the host, after a counter reading only when it changed. The
+        counters are read first when `counters` (by default when `report`)."""
+        if report if counters is None else counters:
             self._read_counters(devices)
         claims = {
             d.bdf: str(ClaimRef(c.namespace, c.name, c.uid)) for c in self.store for d in c.devices

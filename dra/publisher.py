@@ -6,13 +6,21 @@ write. It runs when the devices change, when a watch sees a slice changed by any
 kubelet deletes a node's slices when it starts, and a driver's 30 s after the driver's socket
 went away), and once a minute regardless. An API server that cannot be reached is retried with
 backoff; nothing else of the driver waits for it.
+
+Every change of a pool is a new generation on all its slices (32 on 4,096 functions), and a
+prepare changes the pool (its device's group companions leave it), so the publisher spares the
+work it can: changes that follow each other within COALESCE_SECONDS are published as one, the
+slices are listed only when someone else may have changed them (what our own writes answered is
+what the server holds otherwise), and the slices of a generation are written side by side.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from dra.api import ApiError, ResourceApi
 from dra.devices import DraDevice
@@ -34,6 +42,14 @@ RESYNC_SECONDS = 60.0
 WATCH_SECONDS = 300
 BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
+COALESCE_SECONDS = 0.2
+"""A change is published once the devices have been still this long (a prepare and an
+unprepare, a bind's burst of events), or COALESCE_MAX_SECONDS after it at the latest. The first
+publication does not wait."""
+COALESCE_MAX_SECONDS = 1.0
+WRITERS = 4
+"""Slices written at once: the API client's pool keeps more connections than this (the claim
+GETs of prepares use the others)."""
 
 
 class SlicePublisher:
@@ -48,6 +64,7 @@ class SlicePublisher:
         backoff_first: float = BACKOFF_FIRST,
         backoff_max: float = BACKOFF_MAX,
         slots: Sequence[Object] = (),
+        coalesce_seconds: float = COALESCE_SECONDS,
     ) -> None:
         self._api = api
         self._node = node
@@ -67,6 +84,17 @@ class SlicePublisher:
         """resourceVersions of our own writes, so the watch does not wake us for them."""
         self._backoff = (backoff_first, backoff_max)
         self._threads: list[threading.Thread] = []
+        self._coalesce = coalesce_seconds
+        self._changed_at = 0.0
+        self._held: list[Object] | None = None
+        """The slices as our last writes left them, or None: list them."""
+        self._relist = threading.Event()
+        """Someone else may have written the slices since: list them before planning."""
+        self._seen: list[tuple[str, str, str]] = []
+        """Watch events (kind, name, resourceVersion) not known to be ours when they came."""
+        self._version = 0
+        """Counts the changes `update` was given; `_written` is the one last published."""
+        self._written = -1
 
     def start(self) -> None:
         self._dirty.set()
@@ -97,12 +125,17 @@ class SlicePublisher:
                 return
             self._devices = tuple(devices)
             self._taints = taints
+            self._changed_at = time.monotonic()
+            self._version += 1
         self._dirty.set()
 
     def _reconcile_loop(self) -> None:
         delay = self._backoff[0]
         while not self._stop.is_set():
-            self._dirty.wait(RESYNC_SECONDS)
+            if not self._dirty.wait(RESYNC_SECONDS):
+                self._relist.set()
+            if self._held is not None:
+                self._settle()
             if self._stop.is_set():
                 return
             self._dirty.clear()
@@ -110,6 +143,7 @@ class SlicePublisher:
                 self._reconcile()
             # Any failure, not only the API's: this thread must outlive it.
             except Exception as error:
+                self._relist.set()
                 if not (isinstance(error, ApiError) and error.conflict):
                     if not isinstance(error, ApiError):
                         log.exception("publishing slices failed unexpectedly")
@@ -120,6 +154,18 @@ class SlicePublisher:
                 continue
             delay = self._backoff[0]
 
+    def _settle(self) -> None:
+        """Wait until the devices have been still for the coalescing time (at most
+        COALESCE_MAX_SECONDS from now)."""
+        deadline = time.monotonic() + COALESCE_MAX_SECONDS
+        while not self._stop.is_set():
+            with self._lock:
+                quiet_at = self._changed_at + self._coalesce
+            now = time.monotonic()
+            if now >= min(quiet_at, deadline):
+                return
+            self._stop.wait(min(quiet_at, deadline) - now)
+
     def _reconcile(self) -> None:
         if self._owner is None:
             self._owner = Owner(self._node, self._api.read_node_uid(self._node))
@@ -129,8 +175,20 @@ class SlicePublisher:
             # Sent, they would be dropped again and the pool rewritten on every reconcile; with
             # two instances publishing it, each would wake the other without end.
             taints = NO_TAINTS
-        existing, _ = self._api.list_slices(self._node, self._driver)
-        plan = plan_slices(existing, self._owner, self._driver, devices, taints, self._slots)
+        with self._lock:
+            seen, self._seen = self._seen, []
+            version = self._version
+        for kind, name, written in seen:
+            if kind == "DELETED" or written not in self._ours:
+                log.info("slice %s %s by someone else: publishing again", name, kind.lower())
+                self._relist.set()
+        if not self._relist.is_set() and self._held is not None and version == self._written:
+            return  # woken by our own writes coming back
+        if self._relist.is_set() or self._held is None:
+            self._relist.clear()
+            self._held = None
+            self._held, _ = self._api.list_slices(self._node, self._driver)
+        plan = plan_slices(self._held, self._owner, self._driver, devices, taints, self._slots)
         if not plan.empty:
             if self._apply(plan):
                 self._dropped = taints
@@ -149,19 +207,30 @@ class SlicePublisher:
                 len(plan.create) + len(plan.update) or 1,
                 plan.generation,
             )
+        self._written = version
 
     def _apply(self, plan: SlicePlan) -> bool:
-        """Write the plan; whether the server dropped taints it was sent."""
-        dropped = False
+        """Write the plan, keeping what the server answered as the slices it holds; whether
+        the server dropped taints it was sent."""
+        self._held = None
         writes = [(self._api.create_slice, item) for item in plan.create]
         writes += [(self._api.replace_slice, item) for item in plan.update]
-        for write, item in writes:
-            written = write(item)
-            self._note(written)
-            dropped |= bool(tainted_devices(item) - tainted_devices(written))
+
+        def write(call: Callable[[Object], Object], item: Object) -> Object:
+            # Noted at once: the watch may bring the write back before the others are done.
+            answer = call(item)
+            self._note(answer)
+            return answer
+
+        with ThreadPoolExecutor(min(WRITERS, len(writes) or 1), "dra-slice-write") as pool:
+            written = list(pool.map(write, *zip(*writes, strict=True))) if writes else []
         for name, version in plan.delete:
             self._api.delete_slice(name, version)
-        return dropped
+        self._held = written
+        return any(
+            tainted_devices(item) - tainted_devices(answer)
+            for (_, item), answer in zip(writes, written, strict=True)
+        )
 
     def _note(self, written: dict[str, object]) -> None:
         metadata = written.get("metadata")
@@ -186,11 +255,10 @@ class SlicePublisher:
                         continue
                     written = str((item.get("metadata") or {}).get("resourceVersion"))
                     if kind == "DELETED" or written not in self._ours:
-                        log.info(
-                            "slice %s %s by someone else: publishing again",
-                            (item.get("metadata") or {}).get("name"),
-                            kind.lower(),
-                        )
+                        # Maybe ours still: a write's event can come before its answer.
+                        name = str((item.get("metadata") or {}).get("name"))
+                        with self._lock:
+                            self._seen.append((kind, name, written))
                         self._dirty.set()
             # Any failure: the watch must come back whatever ended it.
             except Exception as error:

@@ -6,6 +6,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TypeVar
 
 from hostdev.bdf import Bdf
 
@@ -13,6 +14,8 @@ PCI_CLASS_BRIDGE = 0x06
 # Host, ISA, PCI-to-PCI and semi-transparent PCI bridges: chipset plumbing, never assignable.
 # Other class-06 devices (0x0680 "other bridge", e.g. NVIDIA NVSwitch) can be.
 _CHIPSET_BRIDGE_SUBCLASSES = frozenset({0x00, 0x01, 0x04, 0x09})
+_K = TypeVar("_K", Bdf, int)
+_V = TypeVar("_V")
 
 
 def is_vfio_driver(driver: str | None) -> bool:
@@ -155,12 +158,31 @@ class HostInventory:
     functions: tuple[PciFunction, ...]
     groups: tuple[IommuGroup, ...]
     capabilities: HostCapabilities
-    _by_bdf: Mapping[Bdf, PciFunction] = field(init=False, repr=False, compare=False)
-    _by_group: Mapping[int, IommuGroup] = field(init=False, repr=False, compare=False)
+    _by_bdf: MappingProxyType[Bdf, PciFunction] = field(init=False, repr=False, compare=False)
+    _by_group: MappingProxyType[int, IommuGroup] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_bdf", MappingProxyType({f.bdf: f for f in self.functions}))
         object.__setattr__(self, "_by_group", MappingProxyType({g.number: g for g in self.groups}))
+
+    def with_changes(
+        self,
+        functions: Mapping[Bdf, PciFunction | None] = MappingProxyType({}),
+        groups: Mapping[int, IommuGroup | None] = MappingProxyType({}),
+        capabilities: HostCapabilities | None = None,
+    ) -> HostInventory:
+        """This inventory with `functions` and `groups` put in (None takes one out), and
+        `capabilities` if given. Everything else is shared, and the look-ups are copied rather
+        than built again: on a host of thousands of functions a change of a few costs little."""
+        by_bdf = _changed(self._by_bdf, functions)
+        by_group = _changed(self._by_group, groups)
+        changed = object.__new__(HostInventory)
+        object.__setattr__(changed, "functions", tuple(by_bdf.values()))
+        object.__setattr__(changed, "groups", tuple(by_group.values()))
+        object.__setattr__(changed, "capabilities", capabilities or self.capabilities)
+        object.__setattr__(changed, "_by_bdf", MappingProxyType(by_bdf))
+        object.__setattr__(changed, "_by_group", MappingProxyType(by_group))
+        return changed
 
     def function(self, bdf: Bdf) -> PciFunction | None:
         return self._by_bdf.get(bdf)
@@ -170,3 +192,18 @@ class HostInventory:
 
     def group_of(self, function: PciFunction) -> IommuGroup | None:
         return self.group(function.iommu_group)
+
+
+def _changed(current: MappingProxyType[_K, _V], changes: Mapping[_K, _V | None]) -> dict[_K, _V]:
+    """`current` (in key order) with `changes` put in, still in key order. The copy is the
+    dict's own, which keeps the keys' hashes, and the keys are only sorted again when one is
+    new."""
+    merged = current.copy()
+    added = False
+    for key, value in changes.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            added |= key not in merged
+            merged[key] = value
+    return dict(sorted(merged.items(), key=lambda item: item[0])) if added else merged

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -82,57 +82,81 @@ def refresh_host(
 
     For event-driven updates: a bind, an unbind or a node coming and going touches a few
     functions, and reading a 4,096-function host again for each would be too slow to react.
-    Which /dev nodes exist (cdevs, group nodes, /dev/iommu) is re-checked for every function,
-    since that costs two directory listings. Functions caught half-way through a bind are read
-    again too, so a burst of events read at any point converges on the final state.
+    Only the named functions' sysfs entries are read (their vfio-dev entries from their own
+    directories, not from the host-wide listing a scan reads); the result equals a full scan's
+    for them, and everything else is `previous`'s, shared. Which /dev nodes exist (cdevs, group
+    nodes, /dev/iommu) is re-checked for every function, since that costs two directory
+    listings. Functions caught half-way through a bind are read again too, so a burst of events
+    read at any point converges on the final state.
     """
     base = Path(root)
     if not base.is_dir():
         raise RootNotFound(str(root))
+    changed = set(changed)
+    cdev_nodes = _listdir_or_empty(base / "dev/vfio/devices")
     # A function on a VFIO driver without its vfio-dev entry was read mid-bind (the entry and
     # the driver link appear one after the other): read it again with the rest. Kernels before
     # 6.1 give no VFIO device an entry, and re-reading all of them at every event would undo
     # the point of a refresh.
-    changed = set(changed)
-    if (base / VFIO_DEVICES).is_dir():
-        changed |= {
-            f.bdf
-            for f in previous.functions
-            if is_vfio_driver(f.driver) and f.vfio_cdev is None and not f.vfio_sysfs_without_cdev
-        }
-    links = _read_host_links(base)
-    fresh = [
-        function
-        for function in (_read_one(base, bdf, links, reset_methods) for bdf in changed)
-        if function is not None
-    ]
-    functions = sorted(
-        [
-            _with_cdev_presence(f, links.cdev_nodes)
-            for f in previous.functions
-            if f.bdf not in changed
-        ]
-        + fresh,
-        key=lambda f: f.bdf,
+    mid_bind = (base / VFIO_DEVICES).is_dir()
+    updates: dict[Bdf, PciFunction | None] = {}
+    for function in previous.functions:
+        cdev = function.vfio_cdev
+        if cdev is None:
+            if (
+                mid_bind
+                and not function.vfio_sysfs_without_cdev
+                and is_vfio_driver(function.driver)
+            ):
+                changed.add(function.bdf)
+        elif (cdev in cdev_nodes) != function.vfio_cdev_present:
+            updates[function.bdf] = replace(
+                function, vfio_cdev_present=not function.vfio_cdev_present
+            )
+    links = _HostLinks(
+        consumers=_read_pci_consumers(base),
+        cdev_nodes=cdev_nodes,
+        vfio_names={str(bdf): _read_own_vfio_names(base, str(bdf)) for bdf in changed},
     )
-    touched = {f.iommu_group for f in previous.functions if f.bdf in changed}
-    touched |= {f.iommu_group for f in fresh}
-    group_members: dict[int, list[str]] = {}
+    fresh = {bdf: _read_one(base, bdf, links, reset_methods) for bdf in changed}
+    updates.update(fresh)
+    touched = {f.iommu_group for b in changed if (f := previous.function(b)) is not None}
+    touched |= {f.iommu_group for f in fresh.values() if f is not None}
+    touched.discard(None)
+
+    def function_named(name: str) -> PciFunction | None:
+        if not is_bdf(name):
+            return None
+        bdf = Bdf.parse(name)
+        return updates[bdf] if bdf in updates else previous.function(bdf)
+
+    group_nodes = _listdir_or_empty(base / "dev/vfio")
+    groups: dict[int, IommuGroup | None] = {}
     for number in (n for n in touched if n is not None):
         names = sorted(_listdir_or_empty(base / IOMMU_GROUPS / str(number) / "devices"))
-        if names:
-            group_members[number] = names
-    group_nodes = _listdir_or_empty(base / "dev/vfio")
-    rebuilt = {g.number: g for g in _build_groups(base, group_members, functions, group_nodes)}
+        # A scan keeps a group that has lost its last member while the kernel keeps its entry.
+        gone = not names and not (base / IOMMU_GROUPS / str(number)).is_dir()
+        groups[number] = (
+            None
+            if gone
+            else IommuGroup(
+                number=number,
+                members=tuple(_group_member(base, number, name, function_named) for name in names),
+                legacy_node_present=str(number) in group_nodes,
+            )
+        )
     # Groups no event touched keep their objects (consumers compare them by identity), unless
     # their /dev/vfio node came or went.
     for kept in previous.groups:
-        if kept.number not in touched:
-            present = str(kept.number) in group_nodes
-            same = present == kept.legacy_node_present
-            rebuilt[kept.number] = kept if same else replace(kept, legacy_node_present=present)
-    groups = tuple(rebuilt[number] for number in sorted(rebuilt))
-    return HostInventory(tuple(functions), groups, _read_capabilities(base, functions, groups))
+        if (
+            kept.number not in touched
+            and (str(kept.number) in group_nodes) != kept.legacy_node_present
+        ):
+            groups[kept.number] = replace(kept, legacy_node_present=not kept.legacy_node_present)
+    refreshed = previous.with_changes(updates, groups)
+    return refreshed.with_changes(
+        capabilities=_read_capabilities(base, refreshed.functions, refreshed.groups)
+    )
 
 
 def read_function(root: Path | str, bdf: Bdf) -> PciFunction | None:
@@ -170,13 +194,6 @@ def _read_one(base: Path, bdf: Bdf, links: _HostLinks, reset_methods: bool) -> P
     return _read_function(link, str(bdf), bdf, int(group) if group else None, links, reset_methods)
 
 
-def _with_cdev_presence(function: PciFunction, cdev_nodes: set[str]) -> PciFunction:
-    present = function.vfio_cdev is not None and function.vfio_cdev in cdev_nodes
-    if present == function.vfio_cdev_present:
-        return function
-    return replace(function, vfio_cdev_present=present)
-
-
 def _build_groups(
     base: Path,
     group_members: dict[int, list[str]],
@@ -187,7 +204,7 @@ def _build_groups(
     return tuple(
         IommuGroup(
             number=number,
-            members=tuple(_group_member(base, number, name, by_name) for name in names),
+            members=tuple(_group_member(base, number, name, by_name.get) for name in names),
             legacy_node_present=str(number) in group_nodes,
         )
         for number, names in sorted(group_members.items())
@@ -232,6 +249,13 @@ def _read_vfio_names(base: Path) -> dict[str, list[str]]:
     return owners
 
 
+def _read_own_vfio_names(base: Path, name: str) -> list[str]:
+    """A function's VFIO device entries from its own `vfio-dev` directory: what the host-wide
+    listing (`_read_vfio_names`) finds for it, at one directory read instead of a readlink per
+    VFIO device of the host."""
+    return list(_listdir_or_empty(f"{base / PCI_DEVICES}/{name}/vfio-dev"))
+
+
 def _read_group_members(base: Path) -> dict[int, list[str]]:
     groups_dir = base / IOMMU_GROUPS
     members: dict[int, list[str]] = {}
@@ -252,9 +276,9 @@ def _read_pci_consumers(base: Path) -> dict[str, list[Bdf]]:
 
 
 def _group_member(
-    base: Path, number: int, name: str, by_name: dict[str, PciFunction]
+    base: Path, number: int, name: str, function_named: Callable[[str], PciFunction | None]
 ) -> GroupMember:
-    function = by_name.get(name)
+    function = function_named(name)
     if function is not None:
         return GroupMember(name, function.bdf, function.driver)
     # A member that is not a PCI function (a platform device, say): its driver still counts.
@@ -368,7 +392,7 @@ def _upstream_bridges(link_target: str, name: str) -> tuple[Bdf, ...]:
 
 
 def _read_capabilities(
-    base: Path, functions: list[PciFunction], groups: tuple[IommuGroup, ...]
+    base: Path, functions: Sequence[PciFunction], groups: tuple[IommuGroup, ...]
 ) -> HostCapabilities:
     vfio_cdev: bool | None = None
     if any(f.vfio_cdev for f in functions) or (base / "dev/vfio/devices").is_dir():

@@ -248,3 +248,40 @@ def test_the_scheduler_leaves_an_unhealthy_device_to_claims_that_tolerate_it(
     assert apiserver.allocatable(NODE, DRIVER, tolerations) == expected
     publisher.update(POOL, verdicts())
     assert apiserver.wait_until(lambda: apiserver.allocatable(NODE, DRIVER) == NAMES)
+
+
+def test_a_burst_of_changes_is_published_once_without_listing_our_own_writes(
+    apiserver: ApiServerStandIn, api: ResourceApi, publishers: list[SlicePublisher]
+) -> None:
+    """Prepares and unprepares in quick succession (a group's companions leaving the pool and
+    coming back) are one new generation of the pool, written without reading back the slices
+    our last writes left."""
+    pool = devices(300)
+    publisher = SlicePublisher(api, NODE, DRIVER, pool, backoff_first=0.05)
+    publishers.append(publisher)
+    publisher.start()
+    assert apiserver.wait_until(lambda: len(apiserver.slices(NODE, DRIVER)) == 3)
+    assert generations(apiserver) == {1}
+    assert apiserver.wait_until(lambda: any("watch" in r.query for r in apiserver.requests))
+    apiserver.clear_requests()
+    hidden = pool[:8] + pool[16:]
+    for _ in range(20):
+        publisher.update(hidden)
+        publisher.update(pool)
+        time.sleep(0.01)
+    publisher.update(hidden)
+
+    def published() -> list[str]:
+        return [d["name"] for s in apiserver.slices(NODE, DRIVER) for d in s["spec"]["devices"]]
+
+    assert apiserver.wait_until(lambda: published() == [d.name for d in hidden])
+    time.sleep(0.3)
+    assert generations(apiserver) == {2}
+    assert writes(apiserver) == 3
+    lists = [
+        r
+        for r in apiserver.requests
+        if r.method == "GET" and r.path.endswith("/resourceslices") and "watch" not in r.query
+    ]
+    # Our writes coming back through the watch (even before their answers) are known as ours.
+    assert lists == []
