@@ -136,6 +136,11 @@ class KubeletSockets:
         self.restarts = 0
         """How often a socket was found gone and served again (a kubelet restart, mostly)."""
 
+    @property
+    def serving(self) -> bool:
+        """Started and not stopped since."""
+        return self._guard is not None and not self._stop.is_set()
+
     def start(self) -> None:
         for served in self._served:
             served.start()
