@@ -181,14 +181,16 @@ class ClaimPreparer:
                 return known
             prepared = self._prepare_locked(allocation, known)
         self._announce(ref.uid)
-        log.info(
-            "prepared %s: %s",
-            quote_untrusted(str(ref)),
-            ", ".join(
-                f"{d.device} ({d.bdf}) for request {quote_untrusted(d.request)}"
-                for d in prepared.devices
-            ),
-        )
+        # Quoting the claim's names costs more than the rest of the line: only when it is shown.
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "prepared %s: %s",
+                quote_untrusted(str(ref)),
+                ", ".join(
+                    f"{d.device} ({d.bdf}) for request {quote_untrusted(d.request)}"
+                    for d in prepared.devices
+                ),
+            )
         return prepared
 
     def _prepare_locked(
@@ -300,7 +302,8 @@ class ClaimPreparer:
                 self._binder.release(ref.uid)
             self._store.forget(ref.uid)
         if known is not None:
-            log.info("unprepared %s", quote_untrusted(str(ref)))
+            if log.isEnabledFor(logging.INFO):
+                log.info("unprepared %s", quote_untrusted(str(ref)))
             self._announce(ref.uid)
 
 
