@@ -15,7 +15,6 @@ is no longer ours) within `check_interval` and serves it anew, which registers t
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import os
 import threading
@@ -81,6 +80,9 @@ def serialize_lock_path(kubelet_dir: Path, driver: str) -> Path:
 
 
 def _hashed(text: str, size: int) -> str:
+    # Imported here: only an instance of a rolling update needs it, and not to answer GetInfo.
+    import hashlib
+
     digest = hashlib.sha256(text.encode()).digest()[:size]
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
