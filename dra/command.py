@@ -166,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         front.sockets.start()
     except OSError as error:
+        # The DRA socket may be served already: it goes too.
+        front.sockets.stop()
         print(f"kubevirt-iommufd dra: {error}", file=sys.stderr)
         return 1
     try:
