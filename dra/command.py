@@ -13,7 +13,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from dra.taint_effect import TaintEffect
+from dra.health import TaintEffect
 from hostdev.labels.publisher import add_label_arguments
 
 DEFAULT_DRIVER = "vfio.kubevirt-iommufd.io"
@@ -28,7 +28,7 @@ _INSTANCE_UID = re.compile(r"[A-Za-z0-9][-A-Za-z0-9]{0,62}")
 if TYPE_CHECKING:
     from dra.api import ResourceApi
     from dra.driver import DraDriver
-    from dra.kubelet_front import KubeletFront
+    from dra.kubelet_sockets import KubeletFront
     from hostdev.labels.node_patch import NodeLabeler
 
 log = logging.getLogger("dra")
@@ -131,10 +131,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     # The kubelet sees the driver first: its sockets are served from grpc and the protocol stubs
-    # alone (dra.kubelet_front), then the rest loads, recovers, reads the host and publishes,
+    # alone (dra.kubelet_sockets), then the rest loads, recovers, reads the host and publishes,
     # while prepares wait. The API client (`kubernetes`, most of a start's imports) loads last.
     from dra.api import ResourceApi
-    from dra.kubelet_front import build_kubelet_front
+    from dra.kubelet_sockets import build_kubelet_front
 
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -27,17 +27,15 @@ from dra.api import ResourceApi
 from dra.binding import OnDemandBinder
 from dra.claims import ClaimRef
 from dra.devices import DraDevice
-from dra.health import DeviceHealth, Health
+from dra.health import DeviceHealth, Health, TaintEffect
 from dra.health_judge import HealthState, HostSignals, diff_health, judge_health, same_health
 from dra.host_cache import HostCache
-from dra.kubelet_front import KubeletFront, build_kubelet_front
-from dra.kubelet_sockets import serialize_lock_path
+from dra.kubelet_sockets import KubeletFront, build_kubelet_front, serialize_lock_path
 from dra.prepare import ClaimPreparer, ClaimsChanged
 from dra.prepare_plan import Paths
 from dra.publisher import SlicePublisher
 from dra.serialize_lock import SerializeLock
 from dra.state import RECORDS_MODE, ClaimStore
-from dra.taint_effect import TaintEffect
 from hostdev.aer import AerCounts, read_aer_counts
 from hostdev.bdf import Bdf
 from hostdev.binding.bind import HostAccess

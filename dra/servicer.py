@@ -1,7 +1,7 @@
 """The kubelet-facing gRPC services: plugin registration, DRAPlugin in both versions the kubelet
 may speak, and DRAResourceHealth in all three. They only convert between protobuf messages and the
 preparer's values or the health streams' lists. What they import is what the kubelet needs to see
-the driver (dra.kubelet_front): grpc and the protocol stubs, nothing of the preparer."""
+the driver (dra.kubelet_sockets): grpc and the protocol stubs, nothing of the preparer."""
 
 from __future__ import annotations
 

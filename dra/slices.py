@@ -25,7 +25,7 @@ from dra.devices import DraDevice, typed_attributes
 from dra.health import DeviceHealth, Health
 
 # Re-exported: the publisher and its tests take it from here.
-from dra.taint_effect import TaintEffect as TaintEffect  # noqa: PLC0414
+from dra.health import TaintEffect as TaintEffect  # noqa: PLC0414
 
 API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES_PER_SLICE = 128

@@ -15,8 +15,7 @@ import kubernetes.client
 from dra.api import ResourceApi
 from dra.claims import ClaimRef
 from dra.driver import DraDriver
-from dra.kubelet_front import PreparerWhenReady
-from dra.kubelet_sockets import serialize_lock_path
+from dra.kubelet_sockets import PreparerWhenReady, serialize_lock_path
 from dra.serialize_lock import SerializeLock
 from dra.state import PreparedClaim
 from dra_kit import DRIVER, NODE, REF, driver_settings, short_directory
