@@ -13,10 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from dra.slices import TaintEffect
-from hostdev.config import ConfigError, default_config, load_config
-from hostdev.labels.publisher import add_label_arguments, build_label_publisher, feature_file_path
-from hostdev.pciids import PciIds
+from dra.health import TaintEffect
+from hostdev.labels.publisher import add_label_arguments
 
 DEFAULT_DRIVER = "vfio.kubevirt-iommufd.io"
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet")
@@ -29,6 +27,8 @@ _DNS_SUBDOMAIN = re.compile(
 _INSTANCE_UID = re.compile(r"[A-Za-z0-9][-A-Za-z0-9]{0,62}")
 if TYPE_CHECKING:
     from dra.api import ResourceApi
+    from dra.driver import DraDriver
+    from dra.kubelet_sockets import KubeletFront
     from hostdev.labels.node_patch import NodeLabeler
 
 log = logging.getLogger("dra")
@@ -130,12 +130,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here so that the command's other subcommands start without gRPC. The API client
-    # (`kubernetes`, most of a start's imports) loads once the kubelet is served.
+    # The kubelet sees the driver first: its sockets are served from grpc and the protocol stubs
+    # alone (dra.kubelet_sockets), then the rest loads, recovers, reads the host and publishes,
+    # while prepares wait. The API client (`kubernetes`, most of a start's imports) loads last.
     from dra.api import ResourceApi
-    from dra.driver import DraDriver, DriverSettings
-    from dra.state import StateError
-    from hostdev.errors import HostdevError
+    from dra.kubelet_sockets import build_kubelet_front
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -146,31 +145,10 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"kubevirt-iommufd dra: {problem}", file=sys.stderr)
         return 2
-    try:
-        config = load_config(args.config) if args.config else default_config()
-    except ConfigError as error:
-        print(f"kubevirt-iommufd dra: {error}", file=sys.stderr)
-        return 2
     api = ResourceApi.loading(lambda: _load_api_client(args.kubeconfig))
     # Labelling the node needs the client at once; otherwise it loads after the kubelet is served.
     if args.label_node and not _api_client_loaded(api):
         return 2
-    names = PciIds(config.pci_ids) if config.pci_ids else PciIds.find()
-    settings = DriverSettings(
-        node=args.node_name,
-        driver=args.driver_name,
-        root=args.root,
-        # Absolute: the kubelet dials the endpoint and the runtime mounts the metadata files by
-        # the paths the driver hands out, from directories of their own.
-        kubelet_dir=args.kubelet_dir.absolute(),
-        cdi_dir=args.cdi_dir.absolute(),
-        state_dir=args.state_dir.absolute(),
-        rescan_interval=args.rescan_interval,
-        watch_udev=args.root == Path("/"),
-        host_root=args.host_root,
-        unhealthy_taint_effect=args.unhealthy_taint_effect,
-        instance_uid=args.instance_uid or "",
-    )
     stopping = threading.Event()
 
     def on_signal(number: int, frame: FrameType | None) -> None:
@@ -179,17 +157,26 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    labels = build_label_publisher(
-        feature_file_path(args.feature_file, config, args.root, "dra"),
-        "dra",
-        _node_labeler(api.load(), args.node_name) if args.label_node else None,
+    # Absolute: the kubelet dials the endpoint and the runtime mounts the metadata files by the
+    # paths the driver hands out, from directories of their own.
+    kubelet_dir = args.kubelet_dir.absolute()
+    front = build_kubelet_front(
+        kubelet_dir, args.driver_name, args.node_name, args.rescan_interval, args.instance_uid or ""
     )
     try:
-        driver = DraDriver(settings, config, names, api, labels=labels)
-        driver.start()
-    except (HostdevError, StateError, OSError) as error:
+        front.sockets.start()
+    except OSError as error:
+        # The DRA socket may be served already: it goes too.
+        front.sockets.stop()
         print(f"kubevirt-iommufd dra: {error}", file=sys.stderr)
         return 1
+    try:
+        driver = _start_driver(args, kubelet_dir, api, front)
+    except _StartFailed as failed:
+        front.gate.failed(failed.message)
+        front.sockets.stop()
+        print(f"kubevirt-iommufd dra: {failed.message}", file=sys.stderr)
+        return failed.code
     if not _api_client_loaded(api):
         driver.stop()
         return 2
@@ -197,6 +184,56 @@ def run(args: argparse.Namespace) -> int:
     driver.stop()
     log.info("stopped")
     return 0
+
+
+class _StartFailed(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def _start_driver(
+    args: argparse.Namespace, kubelet_dir: Path, api: ResourceApi, front: KubeletFront
+) -> DraDriver:
+    """Load the driver, recover, read the host and publish, the kubelet served meanwhile;
+    _StartFailed with the exit code (2: the configuration) when the driver cannot run."""
+    from dra.driver import DraDriver, DriverSettings
+    from dra.state import StateError
+    from hostdev.config import ConfigError, default_config, load_config
+    from hostdev.errors import HostdevError
+    from hostdev.labels.publisher import build_label_publisher, feature_file_path
+    from hostdev.pciids import PciIds
+
+    try:
+        config = load_config(args.config) if args.config else default_config()
+    except ConfigError as error:
+        raise _StartFailed(str(error), 2) from error
+    names = PciIds(config.pci_ids) if config.pci_ids else PciIds.find()
+    settings = DriverSettings(
+        node=args.node_name,
+        driver=args.driver_name,
+        root=args.root,
+        kubelet_dir=kubelet_dir,
+        cdi_dir=args.cdi_dir.absolute(),
+        state_dir=args.state_dir.absolute(),
+        rescan_interval=args.rescan_interval,
+        watch_udev=args.root == Path("/"),
+        host_root=args.host_root,
+        unhealthy_taint_effect=args.unhealthy_taint_effect,
+        instance_uid=args.instance_uid or "",
+    )
+    labels = build_label_publisher(
+        feature_file_path(args.feature_file, config, args.root, "dra"),
+        "dra",
+        _node_labeler(api.load(), args.node_name) if args.label_node else None,
+    )
+    try:
+        driver = DraDriver(settings, config, names, api, labels=labels, front=front)
+        driver.start()
+    except (HostdevError, StateError, OSError) as error:
+        raise _StartFailed(str(error), 1) from error
+    return driver
 
 
 def _load_api_client(kubeconfig: Path | None) -> Any:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import queue
 import threading
 import time
@@ -30,7 +29,7 @@ from dra.api import ResourceApi
 from dra.binding import OnDemandBinder
 from dra.claims import ClaimRef
 from dra.devices import DraDevice
-from dra.health import DeviceHealth, Health
+from dra.health import DeviceHealth, Health, TaintEffect
 from dra.health_judge import (
     Baseline,
     HealthState,
@@ -42,16 +41,13 @@ from dra.health_judge import (
     parse_baselines,
     same_health,
 )
-from dra.health_stream import HealthStreams
 from dra.host_cache import HostCache, parse_published, published_json
 from dra.iommufd_slots import build_slot_entries
-from dra.kubelet_sockets import KubeletSockets, serialize_lock_path
+from dra.kubelet_sockets import KubeletFront, build_kubelet_front, serialize_lock_path
 from dra.prepare import ClaimPreparer, ClaimsChanged
 from dra.prepare_plan import Paths
 from dra.publisher import SlicePublisher
 from dra.serialize_lock import SerializeLock
-from dra.servicer import DraServicerV1, DraServicerV1beta1
-from dra.slices import TaintEffect
 from dra.state import RECORDS_MODE, ClaimStore
 from hostdev.aer import AerCounts, read_aer_counts
 from hostdev.atomic_file import write_file_atomically
@@ -123,7 +119,9 @@ class DriverSettings:
 
 
 class DraDriver:
-    """Built without touching the host or the API server; `start` recovers, reads and serves.
+    """Built without touching the host or the API server; `start` serves the kubelet, then
+    recovers, reads the host and publishes. The kubelet's side (`front`) may be served already:
+    the `dra` command serves it before it loads this module.
 
     `on_health` is called from the event thread with every device's health (the published
     devices, then prepared ones gone from the bus): at start, after every reading of the host
@@ -140,6 +138,7 @@ class DraDriver:
         *,
         labels: LabelPublisher | None = None,
         on_health: OnHealth | None = None,
+        front: KubeletFront | None = None,
     ) -> None:
         self.settings = settings
         self._labels = labels
@@ -192,20 +191,15 @@ class DraDriver:
             taint_effect=settings.unhealthy_taint_effect,
             slots=build_slot_entries(config.iommufd.resource_name, self._paths.slots),
         )
-        # Events re-judge a device at once, but the periodic re-scan is the one check that always
-        # comes: three re-scans missed (a stuck event thread) is when the kubelet should stop
-        # believing us, and never sooner than its own 30 s default.
-        self.health = HealthStreams(
-            settings.node, timeout_seconds=max(30, math.ceil(3 * settings.rescan_interval))
-        )
-        self.sockets = KubeletSockets(
+        self.front = front or build_kubelet_front(
             settings.kubelet_dir,
             settings.driver,
-            DraServicerV1(self.preparer),
-            DraServicerV1beta1(self.preparer),
-            self.health,
-            instance_uid=settings.instance_uid,
+            settings.node,
+            settings.rescan_interval,
+            settings.instance_uid,
         )
+        self.health = self.front.health
+        self.sockets = self.front.sockets
         self._udev = UdevWatch(self._events.put) if settings.watch_udev else None
         self._watch = DeviceWatch[DevicesChanged](settings.root, self._events.put)
         self._events_thread = threading.Thread(
@@ -236,13 +230,25 @@ class DraDriver:
         return self._health.health
 
     def start(self) -> None:
-        """Recover and read the host, then serve the kubelet (GetInfo must answer at once), then
-        publish in the background."""
+        """Serve the kubelet (GetInfo answers at once), recover and read the host, then let the
+        kubelet's prepares through and publish in the background. A start that fails stops
+        serving, so the kubelet forgets the driver, and answers the calls waiting with its error."""
+        if not self.sockets.serving:
+            self.sockets.start()
+        try:
+            self._start_served()
+        except BaseException as error:
+            self.front.gate.failed(str(error) or type(error).__name__)
+            self.sockets.stop()
+            raise
+
+    def _start_served(self) -> None:
         self.recover()
         self._baselines = read_baselines(self.settings.state_dir / BASELINES_FILE)
+        # Nothing is prepared before recovery put back what a dead run left half-done.
+        self.front.gate.ready(self.preparer)
         # Judged before the first publication: a device found unusable is tainted from the start.
         self._judge(self.devices, frozenset(), report=True)
-        self.sockets.start()
         self.publisher.start()
         self._publish_labels(self.devices)
         self._watch.start()

@@ -18,6 +18,18 @@ class Health(enum.IntEnum):
     UNHEALTHY = 2
 
 
+class TaintEffect(enum.StrEnum):
+    """What a device taint does to claims that do not tolerate it (and their pods)."""
+
+    NO_SCHEDULE = "NoSchedule"
+    """Not allocated to new claims; claims already allocated keep it."""
+    NO_EXECUTE = "NoExecute"
+    """Also evicts the pods whose claims use it: their VMs stop (a VirtualMachine's run strategy
+    decides whether it starts again elsewhere)."""
+    NONE = "None"
+    """Only shown: allocation and running pods are left alone."""
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceHealth:
     """One device of the driver's pool (named as in the slice) as last checked."""

@@ -10,19 +10,31 @@ keeps both registrations, calls the newest and falls back to the other when that
 registration socket goes (pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go `get` and `remove`).
 A restarting kubelet may wipe either directory: a guard thread notices a socket that is gone (or
 is no longer ours) within `check_interval` and serves it anew, which registers the driver again.
+
+The sockets are served before the rest of the driver is loaded (`build_kubelet_front`): the
+kubelet sees the driver (its plugin watcher calls GetInfo) from grpc and the protocol stubs alone,
+nothing here importing the preparer, the host scan or the API client, which load afterwards. A
+claim prepared before recovery finished could be given a device an interrupted bind still holds,
+so NodePrepare and NodeUnprepare wait at a gate (`PreparerWhenReady`) — at most
+`READY_WAIT_SECONDS`, under the kubelet's 45 s deadline, so that it hears why from a start slower
+than that (and retries), and a start that failed answers them with its error at once.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
+import math
 import os
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
+from dra.claims import ClaimRef
 from dra.health_stream import HealthStreams
 from dra.healthapi.v1 import api_pb2_grpc as health_v1_grpc
 from dra.healthapi.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
@@ -34,12 +46,16 @@ from dra.servicer import (
     HealthServicerV1,
     HealthServicerV1alpha1,
     HealthServicerV1beta1,
+    Preparer,
     RegistrationServicer,
 )
 from dra.v1 import api_pb2_grpc as v1_grpc
 from dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from hostdev.grpc_socket import GrpcSocketServer
 from hostdev.unix_socket import MAX_SOCKET_PATH
+
+if TYPE_CHECKING:
+    from dra.state import PreparedClaim
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +97,9 @@ def serialize_lock_path(kubelet_dir: Path, driver: str) -> Path:
 
 
 def _hashed(text: str, size: int) -> str:
+    # Imported here: only an instance of a rolling update needs it, and not to answer GetInfo.
+    import hashlib
+
     digest = hashlib.sha256(text.encode()).digest()[:size]
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
@@ -136,6 +155,11 @@ class KubeletSockets:
         self.restarts = 0
         """How often a socket was found gone and served again (a kubelet restart, mostly)."""
 
+    @property
+    def serving(self) -> bool:
+        """Started and not stopped since."""
+        return self._guard is not None and not self._stop.is_set()
+
     def start(self) -> None:
         for served in self._served:
             served.start()
@@ -160,3 +184,92 @@ class KubeletSockets:
                     self.restarts += 1
                 except OSError as error:
                     log.error("cannot serve %s again: %s; retrying", served.path, error)
+
+
+READY_WAIT_SECONDS = 40.0
+
+
+class PreparerWhenReady:
+    """Hands the kubelet's calls to the preparer once `ready` gave it; until then they wait."""
+
+    def __init__(self, wait_seconds: float = READY_WAIT_SECONDS) -> None:
+        self._wait_seconds = wait_seconds
+        self._settled = threading.Event()
+        self._settling = threading.Lock()
+        self._preparer: Preparer | None = None
+        self._failure = ""
+
+    def ready(self, preparer: Preparer) -> None:
+        """Recovery is done: let the calls through, the waiting ones first. Once `failed`, the
+        calls keep their answer."""
+        with self._settling:
+            if not self._settled.is_set():
+                self._preparer = preparer
+                self._settled.set()
+
+    def failed(self, reason: str) -> None:
+        """The start failed (the driver stops): the waiting calls, and any later, get `reason`.
+        Once `ready`, the calls keep going to the preparer until the sockets go."""
+        with self._settling:
+            if not self._settled.is_set():
+                self._failure = reason
+                self._settled.set()
+
+    def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PreparedClaim | str]:
+        preparer = self._wait()
+        if isinstance(preparer, str):
+            return {ref.uid: f"{ref}: {preparer}" for ref in refs}
+        return preparer.prepare(refs)
+
+    def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]:
+        preparer = self._wait()
+        if isinstance(preparer, str):
+            return {ref.uid: f"{ref}: cannot clean up: {preparer}" for ref in refs}
+        return preparer.unprepare(refs)
+
+    def _wait(self) -> Preparer | str:
+        """The preparer, or why there is none."""
+        if not self._settled.wait(self._wait_seconds):
+            return (
+                f"the driver is still starting after {self._wait_seconds:g} s (recovering the"
+                " prepared claims and reading the host); the kubelet retries"
+            )
+        if self._preparer is None:
+            return (
+                f"the driver failed to start: {self._failure}; it stops, and its pod is"
+                " restarted (see its log)"
+            )
+        return self._preparer
+
+
+@dataclass(frozen=True, slots=True)
+class KubeletFront:
+    gate: PreparerWhenReady
+    health: HealthStreams
+    sockets: KubeletSockets
+
+
+def build_kubelet_front(
+    kubelet_dir: Path,
+    driver: str,
+    node: str,
+    rescan_interval: float,
+    instance_uid: str = "",
+    *,
+    ready_wait_seconds: float = READY_WAIT_SECONDS,
+) -> KubeletFront:
+    """The sockets (not served yet), their health streams and the gate before the preparer."""
+    gate = PreparerWhenReady(ready_wait_seconds)
+    # Events re-judge a device at once, but the periodic re-scan is the one check that always
+    # comes: three re-scans missed (a stuck event thread) is when the kubelet should stop
+    # believing us, and never sooner than its own 30 s default.
+    health = HealthStreams(node, timeout_seconds=max(30, math.ceil(3 * rescan_interval)))
+    sockets = KubeletSockets(
+        kubelet_dir,
+        driver,
+        DraServicerV1(gate),
+        DraServicerV1beta1(gate),
+        health,
+        instance_uid=instance_uid,
+    )
+    return KubeletFront(gate, health, sockets)

@@ -6,10 +6,17 @@ restarts of either side) and must give the same answer without doing the work tw
 
 Every failure is the claim's own answer (an error string naming the claim, the device and the
 fix); one bad claim never fails the others of the same call.
+
+What survives a power loss: the claim's record, written durably (dra.state) after its files and
+before the kubelet hears the claim is prepared. The CDI spec (on /var/run/cdi, a tmpfs: gone after
+any reboot) and the metadata file are only written whole, without a sync: what a retried
+NodePrepare finds missing or not whole it writes again from the claim, so a record never answers
+for files that are not there.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -37,7 +44,7 @@ from dra.prepare_plan import (
 )
 from dra.serialize_lock import SerializeLock
 from dra.state import ClaimStore, PreparedClaim, StateError
-from hostdev.atomic_file import write_file_atomically
+from hostdev.atomic_file import write_file_whole
 from hostdev.bdf import Bdf
 from hostdev.errors import HostdevError
 from hostdev.iommufd_handoff import HandoffConfig, HandoffError, IommufdHandoff, read_waiting_ids
@@ -212,23 +219,25 @@ class ClaimPreparer:
                 return known
             prepared = self._prepare_locked(allocation, known)
         self._announce(ref.uid)
-        log.info(
-            "prepared %s: %s",
-            quote_untrusted(str(ref)),
-            ", ".join(
-                [
-                    *(
-                        f"{d.device} ({d.bdf}) for request {quote_untrusted(d.request)}"
-                        for d in prepared.devices
-                    ),
-                    *(
-                        f"{s.device} (iommufd hand-off {prepared.handoff}) for request"
-                        f" {quote_untrusted(s.request)}"
-                        for s in prepared.slots
-                    ),
-                ]
-            ),
-        )
+        # Quoting the claim's names costs more than the rest of the line: only when it is shown.
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "prepared %s: %s",
+                quote_untrusted(str(ref)),
+                ", ".join(
+                    [
+                        *(
+                            f"{d.device} ({d.bdf}) for request {quote_untrusted(d.request)}"
+                            for d in prepared.devices
+                        ),
+                        *(
+                            f"{s.device} (iommufd hand-off {prepared.handoff}) for request"
+                            f" {quote_untrusted(s.request)}"
+                            for s in prepared.slots
+                        ),
+                    ]
+                ),
+            )
         return prepared
 
     def _prepare_locked(
@@ -252,7 +261,7 @@ class ClaimPreparer:
             # socket is too.
             started = self._start_handoff(allocation.ref, plan.claim)
             for file in plan.files:
-                write_file_atomically(file.path, file.content, 0o644)
+                write_file_whole(file.path, file.content, 0o644)
             self._store.save(plan.claim)
         except BaseException:
             # Whatever went wrong, devices bound for a claim that is not recorded must not stay
@@ -335,9 +344,9 @@ class ClaimPreparer:
             )
 
     def _still_prepared(self, claim: PreparedClaim) -> bool:
-        """Whether a prepared claim's files are all there and its on-demand devices still on
-        VFIO: if not, it is prepared again."""
-        if not all(Path(f).exists() for f in claim.files):
+        """Whether a prepared claim's files are all there and whole and its on-demand devices
+        still on VFIO: if not, it is prepared again."""
+        if not all(_is_whole_json(Path(f)) for f in claim.files):
             return False
         if self._binder is None or not self._binder.holds(claim.uid):
             return True
@@ -364,7 +373,8 @@ class ClaimPreparer:
                 self._binder.release(ref.uid)
             self._store.forget(ref.uid)
         if known is not None:
-            log.info("unprepared %s", quote_untrusted(str(ref)))
+            if log.isEnabledFor(logging.INFO):
+                log.info("unprepared %s", quote_untrusted(str(ref)))
             self._announce(ref.uid)
 
     def _withdraw_handoff(self, uid: str) -> None:
@@ -376,6 +386,16 @@ class ClaimPreparer:
         if self._handoff is not None:
             self._handoff.cancel(uid)
         socket.unlink(missing_ok=True)
+
+
+def _is_whole_json(path: Path) -> bool:
+    """Whether `path` holds one whole JSON document, as every file of a claim does when written:
+    after a power loss one may be missing, empty or cut short (it is written without a sync)."""
+    try:
+        json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return True
 
 
 def _check_ref(ref: ClaimRef) -> None:

@@ -1,13 +1,14 @@
 """The kubelet-facing gRPC services: plugin registration, DRAPlugin in both versions the kubelet
 may speak, and DRAResourceHealth in all three. They only convert between protobuf messages and the
-preparer's values or the health streams' lists."""
+preparer's values or the health streams' lists. What they import is what the kubelet needs to see
+the driver (dra.kubelet_sockets): grpc and the protocol stubs, nothing of the preparer."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -18,10 +19,12 @@ from dra.healthapi.v1 import api_pb2 as health_v1_pb2
 from dra.healthapi.v1alpha1 import api_pb2 as health_v1alpha1_pb2
 from dra.healthapi.v1beta1 import api_pb2 as health_v1beta1_pb2
 from dra.pluginregistration.v1 import api_pb2 as registration_pb2
-from dra.prepare import ClaimPreparer
 from dra.v1 import api_pb2 as v1_pb2
 from dra.v1beta1 import api_pb2 as v1beta1_pb2
 from hostdev.untrusted import quote_untrusted
+
+if TYPE_CHECKING:
+    from dra.state import PreparedClaim
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,15 @@ HEALTH_VERSIONS = (
     "v1alpha1.DRAResourceHealth",
 )
 SUPPORTED_VERSIONS = DRA_VERSIONS + HEALTH_VERSIONS
+
+
+class Preparer(Protocol):
+    """What answers the kubelet's DRAPlugin calls (dra.prepare.ClaimPreparer), per claim UID:
+    the prepared claim or an error message."""
+
+    def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PreparedClaim | str]: ...
+
+    def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str | None]: ...
 
 
 class RegistrationServicer:
@@ -78,7 +90,7 @@ class _DraService:
 
     pb2: ModuleType
 
-    def __init__(self, preparer: ClaimPreparer) -> None:
+    def __init__(self, preparer: Preparer) -> None:
         self._preparer = preparer
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:

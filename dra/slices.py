@@ -15,7 +15,6 @@ two writers of one pool agree on it.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,24 +24,15 @@ from typing import Any
 from dra.devices import DraDevice, typed_attributes
 from dra.health import DeviceHealth, Health
 
+# Re-exported: the publisher and its tests take it from here.
+from dra.health import TaintEffect as TaintEffect  # noqa: PLC0414
+
 API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_PER_TAINTED_SLICE = 64
 MAX_NAME = 253
 UNHEALTHY_TAINT_NAME = "unhealthy"
 Object = dict[str, Any]
-
-
-class TaintEffect(enum.StrEnum):
-    """What a device taint does to claims that do not tolerate it (and their pods)."""
-
-    NO_SCHEDULE = "NoSchedule"
-    """Not allocated to new claims; claims already allocated keep it."""
-    NO_EXECUTE = "NoExecute"
-    """Also evicts the pods whose claims use it: their VMs stop (a VirtualMachine's run strategy
-    decides whether it starts again elsewhere)."""
-    NONE = "None"
-    """Only shown: allocation and running pods are left alone."""
 
 
 @dataclass(frozen=True, slots=True)

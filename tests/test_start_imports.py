@@ -1,7 +1,9 @@
 """The daemons serve the kubelet before loading what answering it does not need: when `dra` and
 `plugin` first serve a socket, neither the `kubernetes` client, urllib3 nor prometheus_client is
-imported (they cost most of a start: issue 22). The daemons run as processes, each through a
-wrapper that notes the heavy modules already imported whenever a gRPC socket starts serving."""
+imported (they cost most of a start: issue 22), and `dra` has loaded neither its configuration
+(YAML) nor what recovers, reads the host and prepares: its GetInfo comes from grpc and the
+stubs. The daemons run as processes, each through a wrapper that notes the heavy modules already
+imported whenever a gRPC socket starts serving."""
 
 from __future__ import annotations
 
@@ -21,6 +23,17 @@ from sim.kubelet import KubeletStandIn
 
 NODE = "node-a"
 HEAVY = ("kubernetes", "urllib3", "prometheus_client", "requests")
+DRA_LATER = (
+    "yaml",
+    "hostdev.config",
+    "hostdev.scan",
+    "dra.driver",
+    "dra.prepare",
+    "dra.host_cache",
+    "dra.state",
+    "dra.binding",
+    "dra.publisher",
+)
 WRAPPER = """
 import json, sys
 from hostdev.grpc_socket import GrpcSocketServer
@@ -49,8 +62,10 @@ def short_directory() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def run_noted(notes: Path, args: list[str], served: Callable[[], bool]) -> None:
-    command = [sys.executable, "-c", WRAPPER, str(notes), ",".join(HEAVY), *args]
+def run_noted(
+    notes: Path, args: list[str], served: Callable[[], bool], heavy: tuple[str, ...] = HEAVY
+) -> None:
+    command = [sys.executable, "-c", WRAPPER, str(notes), ",".join(heavy), *args]
     process = subprocess.Popen(command, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
@@ -61,6 +76,10 @@ def run_noted(notes: Path, args: list[str], served: Callable[[], bool]) -> None:
     finally:
         process.terminate()
         process.wait(10)
+
+
+def run_to_end(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
 def read_notes(notes: Path) -> list[tuple[str, list[str]]]:
@@ -82,20 +101,46 @@ def unreachable_kubeconfig(path: Path) -> Path:
     return path
 
 
+def dra_args(root: Path, base: Path, tmp_path: Path) -> list[str]:
+    """`dra` on the simulated node at `root`, its directories under `base`, quiet."""
+    kubeconfig = unreachable_kubeconfig(tmp_path / "kubeconfig")
+    args = ["dra", "--node-name", NODE, "--root", str(root), "--kubeconfig", str(kubeconfig)]
+    args += ["--kubelet-dir", str(base / "kubelet"), "--cdi-dir", str(base / "cdi")]
+    return [*args, "--state-dir", str(base / "state"), "--log-level", "error"]
+
+
 def test_dra_serves_the_kubelet_before_loading_the_api_client(
     scenario_root: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    root = scenario_root("hgx-h100")
     notes = tmp_path / "notes"
-    kubeconfig = unreachable_kubeconfig(tmp_path / "kubeconfig")
     with short_directory() as base, DRAKubeletStandIn(base / "kubelet") as kubelet:
-        args = ["dra", "--node-name", NODE, "--root", str(root), "--kubeconfig", str(kubeconfig)]
-        args += ["--kubelet-dir", str(base / "kubelet"), "--cdi-dir", str(base / "cdi")]
-        args += ["--state-dir", str(base / "state"), "--log-level", "error"]
-        run_noted(notes, args, lambda: kubelet.current(DRIVER) is not None)
+        args = dra_args(scenario_root("hgx-h100"), base, tmp_path)
+        run_noted(notes, args, lambda: kubelet.current(DRIVER) is not None, HEAVY + DRA_LATER)
     served = read_notes(notes)
     assert [Path(path).name for path, _ in served] == ["dra.sock", f"{DRIVER}-reg.sock"]
     assert all(heavy == [] for _, heavy in served), served
+
+
+def test_dra_that_fails_after_serving_exits_1_and_removes_its_sockets(
+    scenario_root: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """An unreadable claim record stops the start in recovery, after the kubelet was served."""
+    notes = tmp_path / "notes"
+    with short_directory() as base:
+        record = base / "state" / "claims" / "a1b2c3d4-0000-4000-8000-0000000000aa.json"
+        record.parent.mkdir(mode=0o700, parents=True)
+        record.write_text("null")
+        args = dra_args(scenario_root("hgx-h100"), base, tmp_path)
+        done = run_to_end([sys.executable, "-c", WRAPPER, str(notes), ",".join(HEAVY), *args])
+        left = sorted(p.name for p in (base / "kubelet").rglob("*.sock"))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"kubevirt-iommufd dra: unreadable prepared-claim record {record}: the record: expected"
+        " an object, found null; check which device the claim had (kubevirt-iommufd inspect),"
+        " then fix or remove the file\n"
+    )
+    assert [Path(path).name for path, _ in read_notes(notes)] == ["dra.sock", f"{DRIVER}-reg.sock"]
+    assert left == []
 
 
 def test_dra_without_an_api_server_configuration_still_stops_with_the_fix(
@@ -106,13 +151,7 @@ def test_dra_without_an_api_server_configuration_still_stops_with_the_fix(
         args = ["--node-name", NODE, "--root", str(root), "--kubelet-dir", str(base / "kubelet")]
         args += ["--cdi-dir", str(base / "cdi"), "--state-dir", str(base / "state")]
         args += ["--kubeconfig", str(tmp_path / "missing")]
-        result = subprocess.run(
-            [sys.executable, "-m", "kubevirt_iommufd", "dra", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        result = run_to_end([sys.executable, "-m", "kubevirt_iommufd", "dra", *args])
         left = sorted(p.name for p in (base / "kubelet").rglob("*.sock"))
     assert result.returncode == 2, result.stderr
     assert "kubevirt-iommufd dra: no API server configuration:" in result.stderr

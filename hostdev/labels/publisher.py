@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hostdev.config import PluginConfig
 from hostdev.labels.feature_file import FeatureFile
 
 if TYPE_CHECKING:
+    from hostdev.config import PluginConfig
     from hostdev.labels.node_patch import NodeLabeler
 
 

@@ -100,19 +100,30 @@ def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str, tmp_p
 
 
 def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """Read once the kubelet is served (the configuration loads YAML): the sockets go again."""
     config = tmp_path / "config.yaml"
     config.write_text(
         "resources:\n  - resourceName: example.com/x\n    selectors: {vendors: [nvidia]}\n"
     )
-    done = subprocess.run(
-        dra("--node-name", "a", "--config", str(config), "--root", str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    with short_directory() as base:
+        done = subprocess.run(
+            dra(
+                "--node-name", "a",
+                "--config", str(config),
+                "--root", str(tmp_path),
+                "--kubelet-dir", str(base / "kubelet"),
+                "--cdi-dir", str(base / "cdi"),
+                "--state-dir", str(base / "state"),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )  # fmt: skip
+        left = list((base / "kubelet").rglob("*.sock"))
     assert done.returncode == 2
     assert "resources[0].selectors.vendors[0]" in done.stderr
+    assert left == []
 
 
 def start_refused(root: Path, base: Path, kubeconfig: Path) -> subprocess.CompletedProcess[str]:

@@ -256,7 +256,9 @@ def test_building_the_driver_touches_nothing_until_it_starts(
         driver = DraDriver(settings, default_config(), PciIds(None), ResourceApi(api_client))
         assert driver.devices == ()
         assert sorted(p.name for p in settings.state_dir.iterdir()) == ["bindings"]
-        assert not settings.kubelet_dir.exists()
+        # Served before recovery, and no longer: the kubelet forgets a driver whose socket goes.
+        assert not driver.sockets.serving
+        assert list(settings.kubelet_dir.rglob("*.sock")) == []
         assert "start-up recovery" not in caplog.text
         driver.start()
         try:
@@ -367,4 +369,6 @@ def test_a_state_subdirectory_another_user_could_write_is_refused_at_start(
         assert str(caught.value) == (
             f"{what} {path} {problem}; make it a real directory owned by root with mode {mode:04o}"
         )
-        assert not settings.kubelet_dir.exists()
+        # Served before recovery, and no longer: the kubelet forgets a driver whose socket goes.
+        assert not driver.sockets.serving
+        assert list(settings.kubelet_dir.rglob("*.sock")) == []

@@ -305,7 +305,7 @@ def test_any_error_after_the_bind_gives_the_devices_back(
         raise RuntimeError("a bug")
 
     if step == "write":
-        monkeypatch.setattr("dra.prepare.write_file_atomically", bug)
+        monkeypatch.setattr("dra.prepare.write_file_whole", bug)
     else:
         monkeypatch.setattr(ClaimStore, "save", bug)
     node.claims.add(REF, [("gpu", GPU_DEVICE)])
@@ -357,7 +357,7 @@ def test_a_device_whose_give_back_failed_is_not_handed_to_another_claim(
         node.kernel.fail(lambda path, text: path.endswith("driver/unbind"), errno.EBUSY)
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("dra.prepare.write_file_atomically", bug)
+    monkeypatch.setattr("dra.prepare.write_file_whole", bug)
     node.claims.add(REF, [("gpu", GPU_DEVICE)])
     with pytest.raises(RuntimeError, match="a bug"):
         node.preparer.prepare([REF])

@@ -138,6 +138,28 @@ def test_lost_cdi_files_are_written_again(node: Node) -> None:
     assert Path(answer.files[0]).exists()
 
 
+@pytest.mark.parametrize(
+    "loss",
+    ["spec-gone", "metadata-gone", "spec-empty", "metadata-empty", "metadata-cut-short"],
+)
+def test_files_lost_to_a_power_loss_are_written_again_by_the_retry(node: Node, loss: str) -> None:
+    """The spec and the metadata are written without a sync, the record durably: after a power
+    loss the record may answer for files that are gone, empty or cut short (the rename reached the
+    disk before the data). The kubelet's retry after the restart writes them again, whole."""
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim)
+    spec, metadata = (Path(f) for f in answer.files)
+    written = {path: path.read_bytes() for path in (spec, metadata)}
+    damaged = spec if loss.startswith("spec") else metadata
+    if loss.endswith("gone"):
+        damaged.unlink()
+    else:
+        damaged.write_bytes(written[damaged][: len(written[damaged]) // 2 if "cut" in loss else 0])
+    assert node.start().prepare([REF])[REF.uid] == answer
+    assert {path: path.read_bytes() for path in (spec, metadata)} == written
+
+
 def _allocated_then_unbound(node: Node) -> None:
     node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
     unbind_driver(node.root, "0000:18:00.0")
