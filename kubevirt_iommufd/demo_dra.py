@@ -291,7 +291,7 @@ def _step_health(
     checks.show(f"  {seen.message if seen else ''}")
     taints = device_taints(api.slices(NODE, DEFAULT_DRIVER), DEFAULT_DRIVER, name) or []
     checks.show(f"slice: {name} taints {json.dumps(taints)} after {_ms(down[1])}")
-    allocatable = api.allocatable(NODE, DEFAULT_DRIVER)
+    allocatable = _gpus(api.allocatable(NODE, DEFAULT_DRIVER))
     checks.check(
         _within(down[0]) and seen is not None and bool(seen.message),
         f"the kubelet reads it Unhealthy, and why, within {_ms(HEALTH_WITHIN)}",
@@ -316,7 +316,7 @@ def _step_health(
     )
     checks.show(f"health stream: {key} Healthy after {_ms(up[0])}")
     checks.show(f"slice: {name} untainted after {_ms(up[1])}")
-    allocatable = api.allocatable(NODE, DEFAULT_DRIVER)
+    allocatable = _gpus(api.allocatable(NODE, DEFAULT_DRIVER))
     checks.check(
         _within(up[0]) and _all_healthy(kubelet.health(DEFAULT_DRIVER), 8),
         f"the kubelet reads it Healthy again within {_ms(HEALTH_WITHIN)}",
@@ -325,6 +325,11 @@ def _step_health(
         _within(up[1]) and len(allocatable) == 8,
         f"the taint is gone within {_ms(HEALTH_WITHIN)}: all 8 allocatable again",
     )
+
+
+def _gpus(devices: list[str]) -> list[str]:
+    """The PCI devices among `devices`, without the iommufd slots published after them."""
+    return [d for d in devices if slot_index(d) is None]
 
 
 def _all_healthy(health: dict[str, SeenHealth], count: int) -> bool:
