@@ -180,7 +180,10 @@ def run(args: argparse.Namespace) -> int:
     if not _api_client_loaded(api):
         driver.stop()
         return 2
-    stopping.wait()
+    # In slices: a SIGTERM the kernel delivers to one of gRPC's threads only marks the handler
+    # as due, and the main thread runs it when it next runs Python code.
+    while not stopping.wait(0.5):
+        pass
     driver.stop()
     log.info("stopped")
     return 0
