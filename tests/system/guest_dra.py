@@ -356,8 +356,8 @@ def _check_kills(run: Runner, edu: Edu, scratch: Path, state_dir: Path) -> Claim
     with run.check(title) as check:
         with _dra_driver(scratch / "dra-kill-b", state_dir, "unbind") as dra:
             dra.kubelet.wait_registered(DRIVER, timeout=START_TIMEOUT_S)
-            # The kubelet is served before the API client is loaded (tens of seconds under TCG):
-            # the slices come after the registration.
+            # The kubelet is served before recovery runs and the API client is loaded (tens of
+            # seconds under TCG): the slices come after the registration.
             _wait(lambda: dra.current_driver(name) == "", START_TIMEOUT_S, "published", dra)
             require(edu.driver() is None, f"{edu.bdf} is on {edu.driver()}, not on no driver")
             require(_override(edu) == "(null)", f"driver_override {_override(edu)!r}")
@@ -396,6 +396,8 @@ def _check_put_back_on_host_driver(
     with run.check(title) as check:
         try:
             dra.kubelet.wait_registered(DRIVER, timeout=START_TIMEOUT_S)
+            # The kubelet is served before recovery runs; the first slices come after it.
+            _wait(lambda: dra.published(name) is not None, START_TIMEOUT_S, "published", dra)
             where = (edu.driver(), _override(edu))
             require(where == (HOST_DRIVER, HOST_DRIVER), f"{edu.bdf} is on {where}")
             require(not dra.journal(), f"binding journal left: {dra.journal()}")
