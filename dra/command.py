@@ -257,6 +257,7 @@ def _api_client_loaded(api: ResourceApi) -> bool:
             file=sys.stderr,
         )
         return False
+    log.info("API client loaded: claims are read and slices written from now on")
     return True
 
 

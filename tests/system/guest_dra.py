@@ -748,13 +748,13 @@ def _check_upgrade(run: Runner, edu: Edu, dra: DraRun, name: str) -> None:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
             raise CheckFailed(f"{error}\n{NEW_UID}'s log:\n{tail}") from None
         registered = time.time() - spawned
-        # B answers the kubelet as soon as it registers and holds calls at a gate (40 s at
-        # most) until it has recovered and read the host; under TCG that takes longer than the
-        # kubelet's 45 s deadline, so the overlap starts once B says it serves.
+        # B answers the kubelet as soon as it registers, then recovers, reads the host and loads
+        # the API client its first prepare needs; under TCG that takes longer than the kubelet's
+        # 45 s deadline, so the overlap starts once B says its client is loaded.
         _wait(
-            lambda: "serving on" in log_path.read_text(errors="replace"),
+            lambda: "API client loaded" in log_path.read_text(errors="replace"),
             START_TIMEOUT_S,
-            f"{NEW_UID} serving",
+            f"{NEW_UID}'s API client loaded",
             dra,
         )
         require(old.poll() is None, f"{OLD_UID} exited {old.returncode}")
