@@ -146,7 +146,7 @@ class DraDriver:
         self._health = HealthState()
         self._aer: dict[Bdf, AerCounts | None] = {}
         self._baselines: dict[str, Baseline] = {}
-        """As last written for the next judge to start (dra.health_memory)."""
+        """As last written for the next judge to start (BASELINES_FILE)."""
         self._remembered: tuple[DraDevice, ...] = ()
         """The devices as last written for the next instance (HostCache.remember)."""
         self._next_whole_read = 0.0
@@ -478,33 +478,35 @@ class DraDriver:
         if devices == self._remembered:
             return
         self._remembered = devices
-        data = json.dumps(published_json(devices), indent=1).encode()
-        try:
-            write_file_atomically(
-                self.settings.state_dir / PUBLISHED_FILE, data, 0o600, directory_mode=RECORDS_MODE
-            )
-        except OSError as error:
-            log.error(
-                "cannot keep the published devices for the next start: %s; an instance started"
-                " next leaves out those unusable by then",
-                error,
-            )
+        self._keep_hint(
+            PUBLISHED_FILE,
+            published_json(devices),
+            "the published devices for the next start",
+            "an instance started next leaves out those unusable by then",
+        )
 
     def _record_baselines(self) -> None:
         baselines = build_baselines(self._health)
         if baselines == self._baselines:
             return
         self._baselines = baselines
-        data = json.dumps(baselines_json(baselines), indent=1).encode()
-        path = self.settings.state_dir / BASELINES_FILE
+        self._keep_hint(
+            BASELINES_FILE,
+            baselines_json(baselines),
+            "the devices' fatal PCIe error counts for the next start",
+            "an instance started next takes errors from before it for none",
+        )
+
+    def _keep_hint(self, name: str, value: object, what: str, without: str) -> None:
+        """Write a hint for whichever instance starts next (read back by `_read_json`); a
+        failure is logged with what the next instance does without it."""
+        data = json.dumps(value, indent=1).encode()
         try:
-            write_file_atomically(path, data, 0o600, directory_mode=RECORDS_MODE)
-        except OSError as error:
-            log.error(
-                "cannot keep the devices' fatal PCIe error counts for the next start: %s; an"
-                " instance started next takes errors from before it for none",
-                error,
+            write_file_atomically(
+                self.settings.state_dir / name, data, 0o600, directory_mode=RECORDS_MODE
             )
+        except OSError as error:
+            log.error("cannot keep %s: %s; %s", what, error, without)
 
 
 def read_baselines(path: Path) -> dict[str, Baseline]:
