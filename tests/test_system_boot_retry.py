@@ -80,9 +80,8 @@ def good() -> str:
 
 def boots_of(run: Any, tmp_path: Path, plays: list[str]) -> list[Any]:
     vng = fake_vng(tmp_path, plays)
-    boots: list[Any] = run.boot_until_the_guest_reports(
-        vng, tmp_path / "bzImage", 2, "sysfs", False, 60.0
-    )
+    guest = run.Guest(edu=2, bind="sysfs", strict=False, chroot=tmp_path / "libvirt-chroot")
+    boots: list[Any] = run.boot_until_the_guest_reports(vng, tmp_path / "bzImage", guest, 60.0)
     return boots
 
 

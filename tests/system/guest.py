@@ -12,7 +12,10 @@ they can):
                   health: the first edu on vfio-pci unprepared, then the last one prepared,
                   unbound and bound again, the stream and the slice's taint following (target
                   1 s); an upgrade (a second instance, the first stopped) with claims throughout;
-                  both edus left on no driver
+                  both edus left on no driver; the migration: a `deviceName` VMI's launcher
+                  pod served by the DRA driver through the scheduler's extended-resource
+                  claim, its VM started through libvirt 12.9 as virt-launcher starts it
+                  (launcher_libvirt.py)
   bind            the edu devices go to vfio-pci: `kubevirt-iommufd bind` when the CLI has it
                   (run.py passes --bind cli), else sysfs driver_override + drivers_probe
   inspect         `kubevirt-iommufd inspect --json` calls each one assignable over iommufd
@@ -27,6 +30,9 @@ they can):
                   without device B's cdev node, writes a mixed domain: A iommufd, B legacy
   nested qemu     (launcher.py) QEMU started as libvirt starts it: the plugin's handed-off
                   iommufd fd, A's cdev fd, B by host=; QMP and /proc/<pid>/fd say exactly that
+  libvirt start   (launcher_libvirt.py) the same VMI's VM started by libvirt 12.9 as 107:107
+                  with no capabilities, on device A and the plugin's handed-off fd: QEMU holds
+                  exactly that fd, and VmLck = VmPin (its RAM charged to its own memlock)
   plugin stops    SIGTERM: exit 0, no sockets left
   lifecycle       bind/unbind/refused bind with the CLI, reset where the kernel can
 
@@ -74,10 +80,13 @@ from guestkit import (
     say,
     unbind,
 )
-from launcher import IOMMUFD_RESOURCE, RESOURCE, check_hook, check_launcher_qemu
+from launcher import IOMMUFD_RESOURCE, RESOURCE, VMI, check_hook, check_launcher_qemu
+from launcher_libvirt import edits_from_allocate, start_as_launcher
 
 from hostdev.bdf import is_bdf
 from hostdev.iommu_ioctl import RLIMIT_MODE_PER_PROCESS, read_rlimit_mode
+from hostdev.iommufd_handoff import QEMU_GID, QEMU_UID
+from hostdev.naming import pci_resource_env
 from sim.kubelet import KubeletStandIn
 
 # Printed first thing: run.py retries a boot that ends before the guest said this.
@@ -94,6 +103,8 @@ REGISTER_TIMEOUT_S = 60.0
 HEALTH_TIMEOUT_S = 10.0
 HEALTH_CYCLES = 10
 HEALTH_SETTLE_S = 0.3
+# Slots the earlier checks have not used (launcher.LAUNCHER_SLOT is iommufd-002).
+LIBVIRT_SLOT = "iommufd-003"
 
 
 def qemu_version() -> str:
@@ -201,7 +212,7 @@ class Plugin:
                     ],
                     "iommufd": {
                         "socketDir": str(self.socket_dir),
-                        "socketOwner": {"uid": 0, "gid": 0},
+                        "socketOwner": {"uid": QEMU_UID, "gid": QEMU_GID},
                     },
                 }
             )
@@ -559,9 +570,27 @@ def check_lifecycle(run: Runner, edus: list[Edu]) -> None:
             check.detail = f"{first.bdf} has no reset method; inspect warns"
 
 
-def run_checks(run: Runner, edus: list[Edu], scratch: Path, bind_method: str, strict: bool) -> None:
+def check_libvirt_start(run: Runner, edus: list[Edu], plugin: Plugin, chroot: Path) -> None:
+    title = "libvirt 12.9 starts the VM as virt-launcher (107:107): the plugin's fd, VmLck = VmPin"
+    with run.check(title) as check:
+        responses = [
+            plugin.kubelet.allocate(RESOURCE, [edus[0].bdf]),
+            plugin.kubelet.allocate(IOMMUFD_RESOURCE, [LIBVIRT_SLOT]),
+        ]
+        edits = edits_from_allocate(responses)
+        check.detail = start_as_launcher(chroot, VMI, pci_resource_env(RESOURCE), edits, edus)
+
+
+def run_checks(
+    run: Runner,
+    edus: list[Edu],
+    scratch: Path,
+    bind_method: str,
+    strict: bool,
+    chroot: Path | None,
+) -> None:
     # First, while the devices are still on no driver (guest_dra.py); they are left so.
-    check_dra_on_demand(run, edus, scratch, strict)
+    check_dra_on_demand(run, edus, scratch, strict, chroot)
     check_bind(run, edus, bind_method)
     bound = all(c.ok for c in run.report.checks)
     run.report.devices = [asdict(edu) for edu in edus]
@@ -585,6 +614,12 @@ def run_checks(run: Runner, edus: list[Edu], scratch: Path, bind_method: str, st
             check_launcher_qemu(run, edus, plan, plugin.kubelet, scratch)
         else:
             run.skip("nested qemu: launcher's iommufd fd", "the plugin did not register")
+        if not registered:
+            run.skip("libvirt 12.9 starts the VM", "the plugin did not register")
+        elif chroot is None:
+            run.skip("libvirt 12.9 starts the VM", "no --libvirt-chroot given")
+        else:
+            check_libvirt_start(run, edus, plugin, chroot)
     finally:
         code = plugin.stop()
         with run.check("plugin stops on SIGTERM with exit 0") as check:
@@ -609,6 +644,9 @@ def main() -> int:
     parser.add_argument("--bind", choices=["cli", "sysfs"], default="sysfs")
     parser.add_argument("--strict-latency", action="store_true")
     parser.add_argument("--host-loop-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--libvirt-chroot", type=Path, help="the libvirt 12.9 chroot (libvirt12.py), read-only"
+    )
     args = parser.parse_args()
     say(STARTED_MARKER)
     uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -633,7 +671,7 @@ def main() -> int:
         scratch = scratch_dir()
         try:
             method = "kubevirt-iommufd bind" if args.bind == "cli" else "sysfs"
-            run_checks(run, edus, scratch, method, args.strict_latency)
+            run_checks(run, edus, scratch, method, args.strict_latency, args.libvirt_chroot)
         except Exception as error:  # a bug in this script must still give a report
             traceback.print_exc()
             report.checks.append(Check("guest harness", False, 0.0, repr(error)))

@@ -13,6 +13,10 @@ checks play the scheduler and allocate claims by hand.
   unprepare   refused while a process holds the cdev (a VM's QEMU that outlived its pod):
               the device stays on vfio-pci; once it is gone, NodeUnprepare gives the device
               back to no driver, `driver_override` cleared
+  migration   (guest_migrate.py) the launcher pod of a VMI written for the device plugin
+              (`deviceName` example.com/edu) served through the scheduler's extended-resource
+              claim (the edu and an iommufd slot): NodePrepare, the CDI spec applied, the VM
+              started through libvirt 12.9 as virt-launcher (launcher_libvirt.py), unprepared
   held        on uio_pci_generic (a host driver with a device node) with a process holding
               /dev/uioN, NodePrepare of another claim is refused naming that process, and
               the driver and override stay as they were
@@ -65,7 +69,9 @@ from typing import Any
 import grpc
 import uapi
 from guest_dra_health import HEALTHY, UNHEALTHY, HealthWatch, inotify_watches, listens_to_uevents
+from guest_migrate import DraNode, check_migration
 from guestkit import CLI, PCI, CheckFailed, Edu, Runner, bind_vfio, receive_fd, require, say
+from launcher import RESOURCE as PLUGIN_RESOURCE
 
 from dra.devices import device_name
 from dra.kubelet_sockets import dra_socket_path, registration_socket_path
@@ -82,8 +88,9 @@ from sim.dra_kubelet import Claim, DRAKubeletStandIn
 
 DRIVER = "vfio.kubevirt-iommufd.io"
 NODE = "system-test-node"
-RESOURCE = "example.com/edu-on-demand"
-STATIC_RESOURCE = "example.com/edu"
+# The device plugin's name for the edu: the VMI written for the plugin runs unchanged on DRA.
+RESOURCE = PLUGIN_RESOURCE
+STATIC_RESOURCE = "example.com/edu-static"
 NAMESPACE = "vms"
 REQUEST = "edu"
 HOST_DRIVER = "uio_pci_generic"
@@ -184,10 +191,13 @@ class DraRun:
         return sorted(p.name for p in (self.state_dir / "bindings").glob("*.json"))
 
 
-def check_dra_on_demand(run: Runner, edus: list[Edu], scratch: Path, strict: bool) -> None:
+def check_dra_on_demand(
+    run: Runner, edus: list[Edu], scratch: Path, strict: bool, chroot: Path | None
+) -> None:
     """All the DRA checks on the last edu, which must be on no driver, and (the health of an
     unprepared device on VFIO) on the first, also on no driver; both are left on no driver.
-    `strict`: health latencies over HEALTH_TARGET_S fail."""
+    `strict`: health latencies over HEALTH_TARGET_S fail. `chroot`: libvirt 12.9's, for the
+    migration's VM (guest_migrate.py)."""
     edu = edus[-1]
     static = edus[0] if len(edus) > 1 else None
     state_dir = scratch / "dra-state"
@@ -208,6 +218,8 @@ def check_dra_on_demand(run: Runner, edus: list[Edu], scratch: Path, strict: boo
             if claim is not None:
                 _check_unprepare_held(run, edu, dra, claim)
                 _check_unprepare(run, edu, dra, name, claim)
+            names = DraNode(DRIVER, NODE, NAMESPACE, RESOURCE, scratch / "dra" / "dra.json")
+            check_migration(run, edu, dra, name, names, chroot)
             if edu.driver() is None:
                 _check_held(run, edu, dra, name)
             else:

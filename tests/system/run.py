@@ -304,7 +304,17 @@ def cpu_loop_ms() -> float:
     return best
 
 
-def guest_command(edu: int, bind: str, strict: bool) -> str:
+@dataclass(frozen=True)
+class Guest:
+    """What the guest is given: its edu devices, how to bind them, and the libvirt chroot."""
+
+    edu: int
+    bind: str
+    strict: bool
+    chroot: Path
+
+
+def guest_command(guest: Guest) -> str:
     return shlex.join(
         [
             "env",
@@ -313,11 +323,12 @@ def guest_command(edu: int, bind: str, strict: bool) -> str:
             str(guest_python()),
             str(GUEST),
             "--expect-edu",
-            str(edu),
+            str(guest.edu),
             "--bind",
-            bind_method(bind),
+            bind_method(guest.bind),
             f"--host-loop-ms={cpu_loop_ms():.2f}",
-            *(["--strict-latency"] if strict else []),
+            f"--libvirt-chroot={guest.chroot}",
+            *(["--strict-latency"] if guest.strict else []),
         ]
     )
 
@@ -350,14 +361,16 @@ class Boot:
         )
 
 
-def boot(vng: Path, bzimage: Path, edu: int, bind: str, strict: bool, timeout: float) -> Boot:
-    qemu_opts = " ".join([QEMU_ACCEL, IOMMU_DEVICE, *["-device edu"] * edu])
+def boot(vng: Path, bzimage: Path, guest: Guest, timeout: float) -> Boot:
+    qemu_opts = " ".join([QEMU_ACCEL, IOMMU_DEVICE, *["-device edu"] * guest.edu])
     argv = [
         str(vng),
         "-r",
         str(bzimage),
         "--disable-kvm",
         "--disable-microvm",
+        # virtme-ng's guest hides /var/cache under a tmpfs: the chroot is shared at its path.
+        f"--rodir={guest.chroot}",
         "-m",
         "1G",
         "-p",
@@ -366,7 +379,7 @@ def boot(vng: Path, bzimage: Path, edu: int, bind: str, strict: bool, timeout: f
         KERNEL_ARGS,
         f"--qemu-opts={qemu_opts}",
         "-e",
-        guest_command(edu, bind, strict),
+        guest_command(guest),
     ]
     log("$ " + shlex.join(argv))
     started = time.monotonic()
@@ -421,13 +434,13 @@ def boot(vng: Path, bzimage: Path, edu: int, bind: str, strict: bool, timeout: f
 
 
 def boot_until_the_guest_reports(
-    vng: Path, bzimage: Path, edu: int, bind: str, strict: bool, timeout: float
+    vng: Path, bzimage: Path, guest: Guest, timeout: float
 ) -> list[Boot]:
     """Every boot made, the last one counting: a boot the emulator ended (`Boot.retriable`) is
     made again, up to BOOT_ATTEMPTS in all, so CI does not fail by chance."""
     boots: list[Boot] = []
     while True:
-        boots.append(boot(vng, bzimage, edu, bind, strict, timeout))
+        boots.append(boot(vng, bzimage, guest, timeout))
         if not boots[-1].retriable or len(boots) == BOOT_ATTEMPTS:
             return boots
         log(
@@ -517,11 +530,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ensure_packages()
     bzimage, build_seconds = ensure_kernel(args.cache)
     vng = ensure_vng(args.cache)
+    # libvirt12 imports this module's installers; imported here, once they are defined.
+    from libvirt12 import ensure_chroot
+
+    chroot, _record, _built = ensure_chroot(args.cache / "libvirt-trixie")
     if args.prepare:
-        log(f"ready: {bzimage}, {vng}")
+        log(f"ready: {bzimage}, {vng}, {chroot}")
         return 0
     boots = boot_until_the_guest_reports(
-        vng, bzimage, args.edu, args.bind, args.strict_latency, args.timeout
+        vng, bzimage, Guest(args.edu, args.bind, args.strict_latency, chroot), args.timeout
     )
     return 0 if print_report(boots, build_seconds, bzimage) else 1
 
