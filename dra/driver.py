@@ -246,7 +246,7 @@ class DraDriver:
         self.recover()
         self._baselines = read_baselines(self.settings.state_dir / BASELINES_FILE)
         # Nothing is prepared before recovery put back what a dead run left half-done.
-        self.front.gate.ready(self.preparer)
+        self.front.ready(self.preparer)
         # Judged before the first publication: a device found unusable is tainted from the start.
         self._judge(self.devices, frozenset(), report=True)
         self.publisher.start()
