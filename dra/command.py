@@ -45,8 +45,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             " KubeVirt reads. Serves the kubelet's plugin registration, DRAPlugin v1 and"
             " v1beta1, and each device's health (DRAResourceHealth v1, v1beta1, v1alpha1); an"
             " unhealthy device's slice entry carries a taint. With --instance-uid, the old and"
-            " the new pod of a rolling update serve side by side. Runs until SIGTERM or SIGINT,"
-            " then removes its own sockets and exits 0."
+            " the new pod of a rolling update serve side by side, each registering with the"
+            " kubelet only once ready for its calls. Runs until SIGTERM or SIGINT, then removes"
+            " its own sockets and exits 0."
         ),
     )
     dra.add_argument("--node-name", required=True, metavar="NAME", help="this node's name")
@@ -111,7 +112,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=os.environ.get("POD_UID") or None,
         metavar="UID",
         help="this pod's UID, so that the old and the new pod of a rolling update serve side by"
-        " side under names of their own (default: $POD_UID; none: the node's only instance)",
+        " side under names of their own; the new one registers with the kubelet once ready"
+        " (recovered, host read, API client loaded), the old one taking the calls until then"
+        " (default: $POD_UID; none: the node's only instance, registered at once)",
     )
     dra.add_argument(
         "--unhealthy-taint-effect",

@@ -230,8 +230,9 @@ class DraDriver:
         return self._health.health
 
     def start(self) -> None:
-        """Serve the kubelet (GetInfo answers at once), recover and read the host, then let the
-        kubelet's prepares through and publish in the background. A start that fails stops
+        """Serve the kubelet (the only instance registers at once, an instance of a rolling
+        update once recovered), recover and read the host, then let the kubelet's prepares
+        through and publish in the background. A start that fails stops
         serving, so the kubelet forgets the driver, and answers the calls waiting with its error."""
         if not self.sockets.serving:
             self.sockets.start()
