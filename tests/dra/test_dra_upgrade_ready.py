@@ -6,12 +6,8 @@ answered. Over real gRPC with the kubelet stand-in, the API server stand-in and 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,21 +26,9 @@ from dra.servicer import DraServicerV1, DraServicerV1beta1
 from dra_kit import DRIVER, NODE, short_directory
 from test_dra_upgrade import NEW, OLD, Node, node  # noqa: F401  (node: the fixture)
 
-ScenarioRoot = Callable[[str], Path]
 UNREGISTERED = 0.5
 """Ten of the stand-in's scans of plugins_registry: a registration socket served meanwhile would
 have been registered."""
-
-
-@contextmanager
-def starting(driver: DraDriver) -> Iterator[threading.Thread]:
-    """`driver.start()` in a thread, joined (and the driver's start over) when the block ends."""
-    thread = threading.Thread(target=driver.start, name="starting")
-    thread.start()
-    try:
-        yield thread
-    finally:
-        thread.join(30)
 
 
 def held_recovery(driver: DraDriver, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
@@ -74,21 +58,23 @@ def test_a_new_instance_not_ready_is_not_registered_and_the_old_takes_the_calls(
     new = node.driver(NEW, start=False)
     release = held_recovery(new, monkeypatch)
     claim = node.claim("vm-a")
-    with starting(new):
-        try:
-            time.sleep(UNREGISTERED)
-            assert not node.registration_path(NEW).exists()
-            current = node.kubelet.current(DRIVER)
-            assert current is not None and current.endpoint == str(node.dra_path(OLD))
-            assert len(node.kubelet.registrations) == 1
-            # Answered by the old instance at once, not held at the new one's gate.
-            asked = time.monotonic()
-            assert node.kubelet.node_prepare_resources([claim])[claim.uid].error == ""
-            assert time.monotonic() - asked < 5
-            assert written_by(node) == [OLD]
-            assert node.kubelet.node_unprepare_resources([claim]) == {claim.uid: ""}
-        finally:
-            release.set()
+    start = threading.Thread(target=new.start, name="starting")
+    start.start()
+    try:
+        time.sleep(UNREGISTERED)
+        assert not node.registration_path(NEW).exists()
+        current = node.kubelet.current(DRIVER)
+        assert current is not None and current.endpoint == str(node.dra_path(OLD))
+        assert len(node.kubelet.registrations) == 1
+        # Answered by the old instance at once, not held at the new one's gate.
+        asked = time.monotonic()
+        assert node.kubelet.node_prepare_resources([claim])[claim.uid].error == ""
+        assert time.monotonic() - asked < 5
+        assert written_by(node) == [OLD]
+        assert node.kubelet.node_unprepare_resources([claim]) == {claim.uid: ""}
+    finally:
+        release.set()
+        start.join(30)
     newest = node.kubelet.wait_registered(DRIVER, count=2)
     assert newest.endpoint == str(node.dra_path(NEW))
     assert node.kubelet.node_prepare_resources([claim])[claim.uid].error == ""
@@ -159,31 +145,3 @@ def test_a_registration_removed_before_it_was_served_is_not_served_by_the_guard(
         finally:
             sockets.stop()
         assert not registration.exists()
-
-
-def test_an_instance_with_no_api_configuration_exits_2_and_leaves_no_socket(
-    scenario_root: ScenarioRoot, tmp_path: Path
-) -> None:
-    """It loads the API client, which its first prepare needs, before it serves anything."""
-    with short_directory() as base:
-        done = subprocess.run(
-            [
-                sys.executable, "-m", "kubevirt_iommufd", "dra",
-                "--node-name", NODE,
-                "--root", str(scenario_root("hgx-h100")),
-                "--kubelet-dir", str(base / "kubelet"),
-                "--cdi-dir", str(base / "cdi"),
-                "--state-dir", str(base / "state"),
-                "--kubeconfig", str(tmp_path / "nonexistent"),
-                "--instance-uid", NEW,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )  # fmt: skip
-        left = list((base / "kubelet").rglob("*.sock"))
-    assert done.returncode == 2, done.stderr
-    assert "no API server configuration" in done.stderr
-    assert "Traceback" not in done.stderr
-    assert left == []
