@@ -45,8 +45,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             " KubeVirt reads. Serves the kubelet's plugin registration, DRAPlugin v1 and"
             " v1beta1, and each device's health (DRAResourceHealth v1, v1beta1, v1alpha1); an"
             " unhealthy device's slice entry carries a taint. With --instance-uid, the old and"
-            " the new pod of a rolling update serve side by side. Runs until SIGTERM or SIGINT,"
-            " then removes its own sockets and exits 0."
+            " the new pod of a rolling update serve side by side, each registering with the"
+            " kubelet only once ready for its calls. Runs until SIGTERM or SIGINT, then removes"
+            " its own sockets and exits 0."
         ),
     )
     dra.add_argument("--node-name", required=True, metavar="NAME", help="this node's name")
@@ -111,7 +112,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=os.environ.get("POD_UID") or None,
         metavar="UID",
         help="this pod's UID, so that the old and the new pod of a rolling update serve side by"
-        " side under names of their own (default: $POD_UID; none: the node's only instance)",
+        " side under names of their own; the new one registers with the kubelet once ready"
+        " (recovered, host read, API client loaded), the old one taking the calls until then"
+        " (default: $POD_UID; none: the node's only instance, registered at once)",
     )
     dra.add_argument(
         "--unhealthy-taint-effect",
@@ -130,9 +133,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    # The kubelet sees the driver first: its sockets are served from grpc and the protocol stubs
-    # alone (dra.kubelet_sockets), then the rest loads, recovers, reads the host and publishes,
-    # while prepares wait. The API client (`kubernetes`, most of a start's imports) loads last.
+    # The node's only instance is seen by the kubelet first: its sockets are served from grpc and
+    # the protocol stubs alone (dra.kubelet_sockets), then the rest loads, recovers, reads the
+    # host and publishes, while prepares wait. The API client (`kubernetes`, most of a start's
+    # imports) loads last. An instance of a rolling update registers only once ready, the other
+    # instance answering the kubelet until then: it loads the API client, which its first prepare
+    # needs, before it starts, and registers after recovery (KubeletFront.ready).
     from dra.api import ResourceApi
     from dra.kubelet_sockets import build_kubelet_front
 
@@ -146,8 +152,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubevirt-iommufd dra: {problem}", file=sys.stderr)
         return 2
     api = ResourceApi.loading(lambda: _load_api_client(args.kubeconfig))
-    # Labelling the node needs the client at once; otherwise it loads after the kubelet is served.
-    if args.label_node and not _api_client_loaded(api):
+    # Labelling the node needs the client at once, and an instance of a rolling update before it
+    # registers; the only instance loads it after the kubelet is served.
+    api_first = args.label_node or bool(args.instance_uid)
+    if api_first and not _api_client_loaded(api):
         return 2
     stopping = threading.Event()
 
@@ -177,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         front.sockets.stop()
         print(f"kubevirt-iommufd dra: {failed.message}", file=sys.stderr)
         return failed.code
-    if not _api_client_loaded(api):
+    if not api_first and not _api_client_loaded(api):
         driver.stop()
         return 2
     # In slices: a SIGTERM the kernel delivers to one of gRPC's threads only marks the handler

@@ -230,8 +230,9 @@ class DraDriver:
         return self._health.health
 
     def start(self) -> None:
-        """Serve the kubelet (GetInfo answers at once), recover and read the host, then let the
-        kubelet's prepares through and publish in the background. A start that fails stops
+        """Serve the kubelet (the only instance registers at once, an instance of a rolling
+        update once recovered), recover and read the host, then let the kubelet's prepares
+        through and publish in the background. A start that fails stops
         serving, so the kubelet forgets the driver, and answers the calls waiting with its error."""
         if not self.sockets.serving:
             self.sockets.start()
@@ -246,7 +247,7 @@ class DraDriver:
         self.recover()
         self._baselines = read_baselines(self.settings.state_dir / BASELINES_FILE)
         # Nothing is prepared before recovery put back what a dead run left half-done.
-        self.front.gate.ready(self.preparer)
+        self.front.ready(self.preparer)
         # Judged before the first publication: a device found unusable is tainted from the start.
         self._judge(self.devices, frozenset(), report=True)
         self.publisher.start()

@@ -11,13 +11,22 @@ registration socket goes (pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go `get` 
 A restarting kubelet may wipe either directory: a guard thread notices a socket that is gone (or
 is no longer ours) within `check_interval` and serves it anew, which registers the driver again.
 
-The sockets are served before the rest of the driver is loaded (`build_kubelet_front`): the
-kubelet sees the driver (its plugin watcher calls GetInfo) from grpc and the protocol stubs alone,
-nothing here importing the preparer, the host scan or the API client, which load afterwards. A
-claim prepared before recovery finished could be given a device an interrupted bind still holds,
-so NodePrepare and NodeUnprepare wait at a gate (`PreparerWhenReady`) — at most
-`READY_WAIT_SECONDS`, under the kubelet's 45 s deadline, so that it hears why from a start slower
-than that (and retries), and a start that failed answers them with its error at once.
+The node's only instance serves both sockets before the rest of the driver is loaded
+(`build_kubelet_front`): the kubelet sees the driver (its plugin watcher calls GetInfo) from grpc
+and the protocol stubs alone, nothing here importing the preparer, the host scan or the API
+client, which load afterwards. A claim prepared before recovery finished could be given a device
+an interrupted bind still holds, so NodePrepare and NodeUnprepare wait at a gate
+(`PreparerWhenReady`) — at most `READY_WAIT_SECONDS`, under the kubelet's 45 s deadline, so that
+it hears why from a start slower than that (and retries), and a start that failed answers them
+with its error at once.
+
+An instance of a rolling update serves its registration only once it is ready
+(`KubeletFront.ready`): the kubelet calls the newest registration, so a new instance registered
+early would take the calls and keep them at its gate — past the kubelet's deadline on a slow
+node — while the old instance, ready, could have answered them. Unregistered, the new instance
+leaves them to the old one until it can answer them itself; alone on the node (after a reboot)
+it registers all the same, once ready. Its DRA socket is served from the start: nobody dials it
+before the registration names it, and then it must be there.
 """
 
 from __future__ import annotations
@@ -142,13 +151,14 @@ class KubeletSockets:
         def add_registration(server: grpc.Server) -> None:
             registration_grpc.add_RegistrationServicer_to_server(self.registration, server)
 
-        # The DRA socket first: the kubelet dials it as soon as registration succeeds.
-        self._served = (
-            GrpcSocketServer(dra_path, add_dra),
-            GrpcSocketServer(
-                registration_socket_path(kubelet_dir, driver, instance_uid), add_registration
-            ),
+        self._dra_socket = GrpcSocketServer(dra_path, add_dra)
+        self._registration_socket = GrpcSocketServer(
+            registration_socket_path(kubelet_dir, driver, instance_uid), add_registration
         )
+        self._instance_uid = instance_uid
+        # What the guard serves again when it goes: the DRA socket first (the kubelet dials it as
+        # soon as registration succeeds), the registration once served.
+        self._served: tuple[GrpcSocketServer, ...] = ()
         self._interval = check_interval
         self._stop = threading.Event()
         self._guard: threading.Thread | None = None
@@ -161,10 +171,31 @@ class KubeletSockets:
         return self._guard is not None and not self._stop.is_set()
 
     def start(self) -> None:
-        for served in self._served:
-            served.start()
+        """Serve the DRA socket and, for the node's only instance, the registration; an
+        instance of a rolling update registers with `register`, once ready."""
+        self._dra_socket.start()
+        self._served = (self._dra_socket,)
+        if not self._instance_uid:
+            self._serve_registration()
         self._guard = threading.Thread(target=self._watch, name="dra-sockets", daemon=True)
         self._guard.start()
+
+    def register(self) -> None:
+        """The driver is ready for the kubelet's calls: serve the registration (an instance of
+        a rolling update; the only instance serves it from the start). Raises OSError when the
+        socket cannot be made."""
+        if self._registration_socket in self._served:
+            return
+        self._serve_registration()
+        log.info(
+            "ready: serving the registration at %s; the kubelet calls instance %s from now on",
+            self._registration_socket.path,
+            self._instance_uid,
+        )
+
+    def _serve_registration(self) -> None:
+        self._registration_socket.start()
+        self._served = (self._dra_socket, self._registration_socket)
 
     def stop(self) -> None:
         self._stop.set()
@@ -247,6 +278,14 @@ class KubeletFront:
     gate: PreparerWhenReady
     health: HealthStreams
     sockets: KubeletSockets
+
+    def ready(self, preparer: Preparer) -> None:
+        """Everything the first prepare needs is there — the claims recovered, the host read,
+        the API client loaded (the `dra` command loads it first when it has an instance UID):
+        the calls go through, and an instance of a rolling update registers. Raises OSError
+        when the registration cannot be served."""
+        self.gate.ready(preparer)
+        self.sockets.register()
 
 
 def build_kubelet_front(

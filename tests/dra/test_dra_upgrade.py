@@ -221,7 +221,7 @@ def test_the_command_takes_its_instance_from_the_pods_uid(
     scenario_root: Callable[[str], Path], apiserver: ApiServerStandIn
 ) -> None:
     """`kubevirt-iommufd dra` in a pod with POD_UID (the DaemonSet's downward API) serves under
-    that pod's names, and removes them when stopped."""
+    that pod's names, registers once ready and says so, and removes its sockets when stopped."""
     apiserver.put_node(NODE)
     with short_directory() as base:
         kubelet_dir = base / "kubelet"
@@ -247,6 +247,13 @@ def test_the_command_takes_its_instance_from_the_pods_uid(
         assert process.returncode == 0, stderr
         assert not list((kubelet_dir / "plugins_registry").iterdir())
         assert not dra_socket_path(kubelet_dir, DRIVER, OLD).exists()
+    lines = stderr.splitlines()
+    (ready,) = [n for n, line in enumerate(lines) if "ready: serving the registration" in line]
+    assert f"at {registration.socket_path};" in lines[ready]
+    assert f"the kubelet calls instance {OLD} from now on" in lines[ready]
+    # What its first prepare needs came before: the API client, and recovery.
+    (loaded,) = [n for n, line in enumerate(lines) if "API client loaded" in line]
+    assert loaded < ready
 
 
 def test_an_instance_uid_that_is_no_pod_uid_is_refused(tmp_path: Path) -> None:

@@ -196,13 +196,18 @@ def probe_command(kind: str, socket_path: Path) -> list[str]:
     return [sys.executable, *exec_command[1:-1], str(socket_path)]
 
 
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
 def test_the_probes_watch_the_registration_socket_of_their_own_pod() -> None:
     args = driver_args()
     container = driver_container()
+    # An instance of a rolling update: it serves the registration socket once ready, not before.
+    assert args.instance_uid == POD_UID
     socket_path = registration_socket_path(args.kubelet_dir, args.driver_name, POD_UID)
     # The full UID fits: the probe names the socket as the driver does, not a hashed fallback.
     assert POD_UID in socket_path.name
-    for kind in ("readinessProbe", "livenessProbe"):
+    for kind in PROBES:
         template = container[kind]["exec"]["command"][-1]
         assert template.format(uid=POD_UID) == str(socket_path)
     liveness = container["livenessProbe"]
@@ -210,7 +215,20 @@ def test_the_probes_watch_the_registration_socket_of_their_own_pod() -> None:
     assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60
 
 
-@pytest.mark.parametrize("kind", ["readinessProbe", "livenessProbe"])
+def test_a_slow_start_is_waited_for_and_the_old_pod_stops_once_the_kubelet_calls_the_new() -> None:
+    container = driver_container()
+    startup = container["startupProbe"]
+    # Liveness waits for the startup probe: a start under TCG took 80-150 s, plus up to 30 s
+    # waiting for the other instance's lock.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    assert startup["periodSeconds"] <= 5, "ready soon after the registration is served"
+    # The kubelet's plugin watcher registers a new socket within its 1 s reconcile: the old pod
+    # is stopped only once the new one has been ready for longer than that.
+    daemon_set = one(render("dra"), "DaemonSet")
+    assert daemon_set["spec"]["minReadySeconds"] >= 2
+
+
+@pytest.mark.parametrize("kind", PROBES)
 def test_the_probe_passes_only_while_the_socket_takes_connections(kind: str) -> None:
     # A short directory: with the UID in it, a path under tmp_path is too long for a socket.
     with tempfile.TemporaryDirectory(dir="/tmp") as short:
