@@ -30,7 +30,7 @@ checks play the scheduler and allocate claims by hand.
   watches     the driver's process holds a netlink socket on the kernel's uevent group and
               inotify watches on /dev/vfio and /dev/vfio/devices (read from /proc)
   upgrade     the driver runs with --instance-uid A; B is started beside it and the kubelet
-              stand-in calls B; a claim prepared and unprepared; A stopped (SIGTERM, exit 0):
+              stand-in calls B once B registers, which it does only when ready; a claim prepared and unprepared; A stopped (SIGTERM, exit 0):
               its sockets gone, B's there, the slices not wiped; another claim through B
   stop        SIGTERM to the last instance: exit 0, its sockets gone
 
@@ -760,14 +760,11 @@ def _check_upgrade(run: Runner, edu: Edu, dra: DraRun, name: str) -> None:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
             raise CheckFailed(f"{error}\n{NEW_UID}'s log:\n{tail}") from None
         registered = time.time() - spawned
-        # B answers the kubelet as soon as it registers, then recovers, reads the host and loads
-        # the API client its first prepare needs; under TCG that takes longer than the kubelet's
-        # 45 s deadline, so the overlap starts once B says its client is loaded.
-        _wait(
-            lambda: "API client loaded" in log_path.read_text(errors="replace"),
-            START_TIMEOUT_S,
-            f"{NEW_UID}'s API client loaded",
-            dra,
+        # With an instance uid the registration is served only once B is ready (recovered,
+        # host read, API client loaded): its first call must not wait for any of it.
+        require(
+            "ready: serving the registration" in log_path.read_text(errors="replace"),
+            f"the kubelet calls {NEW_UID}, but its log has no `ready:` line",
         )
         require(old.poll() is None, f"{OLD_UID} exited {old.returncode}")
         overlap = _prepare_and_unprepare(dra, edu, name)
