@@ -54,5 +54,5 @@ def test_a_shallow_cdi_mount_goes_before_a_deeper_one_of_the_pod() -> None:
 
 
 def test_an_unknown_device_is_refused() -> None:
-    with pytest.raises(UnresolvedDevice, match="v.io/c=missing"):
+    with pytest.raises(UnresolvedDevice, match=r"v\.io/c=missing"):
         apply_cdi_devices([spec("v.io/c", {"a": {}})], ["v.io/c=missing"])
