@@ -58,14 +58,7 @@ Object = dict[str, Any]
 def run_dra(scenario: Scenario, work: Path, checks: Checks) -> None:
     root = build_tree(scenario.node(), work / "node")
     inventory = scan_host(root)
-    settings = DriverSettings(
-        node=NODE,
-        driver=DEFAULT_DRIVER,
-        root=root,
-        kubelet_dir=work / "kubelet",
-        cdi_dir=work / "cdi",
-        state_dir=work / "state",
-    )
+    settings = build_settings(root, work)
     checks.step(1, "the DRA driver starts on a simulated node and registers with the kubelet")
     with running_cluster(settings, default_config()) as (api, kubelet, driver):
         if not check_registered(kubelet, driver, checks):
@@ -80,6 +73,18 @@ def run_dra(scenario: Scenario, work: Path, checks: Checks) -> None:
         files = _step_files(scenario, root, inventory, claim, devices[0], settings, checks)
         _step_health(api, kubelet, root, devices[0], files, checks)
         _step_unprepare(kubelet, claim, files, settings, checks)
+
+
+def build_settings(root: Path, work: Path) -> DriverSettings:
+    """The driver's settings for the simulated node at `root`, its directories under `work`."""
+    return DriverSettings(
+        node=NODE,
+        driver=DEFAULT_DRIVER,
+        root=root,
+        kubelet_dir=work / "kubelet",
+        cdi_dir=work / "cdi",
+        state_dir=work / "state",
+    )
 
 
 @contextmanager
@@ -192,6 +197,21 @@ def _step_prepare(
     kubelet: DRAKubeletStandIn, claim: Claim, device: Object, checks: Checks
 ) -> PrepareResult | None:
     checks.step(4, "the kubelet prepares the claim for the VM's pod: NodePrepareResources (gRPC)")
+    result = prepare_shown(kubelet, claim, checks)
+    if result is None:
+        return None
+    checks.check(
+        [(d.request_names, d.pool_name, d.device_name) for d in result.devices]
+        == [((REQUEST,), NODE, device["name"])],
+        f"the answer names request {REQUEST}'s device and two CDI devices (nodes, metadata)",
+    )
+    again = kubelet.node_prepare_resources([claim]).get(claim.uid)
+    checks.check(again == result, "asked again (as the kubelet retries), the same answer")
+    return result
+
+
+def prepare_shown(kubelet: DRAKubeletStandIn, claim: Claim, checks: Checks) -> PrepareResult | None:
+    """The kubelet's NodePrepareResources of `claim`, checked and shown; None when it failed."""
     result = kubelet.node_prepare_resources([claim]).get(claim.uid)
     if not checks.check(
         result is not None and not result.error, "the claim is prepared, with no error"
@@ -206,13 +226,6 @@ def _step_prepare(
         )
         for cdi in prepared.cdi_device_ids:
             checks.show(f"  {cdi}")
-    checks.check(
-        [(d.request_names, d.pool_name, d.device_name) for d in result.devices]
-        == [((REQUEST,), NODE, device["name"])],
-        f"the answer names request {REQUEST}'s device and two CDI devices (nodes, metadata)",
-    )
-    again = kubelet.node_prepare_resources([claim]).get(claim.uid)
-    checks.check(again == result, "asked again (as the kubelet retries), the same answer")
     return result
 
 

@@ -23,7 +23,6 @@ from dra.device_classes import (
     plan_iommufd_resource_names,
     plan_resource_names,
 )
-from dra.driver import DriverSettings
 from dra.iommufd_slots import slot_index
 from hostdev.config import IOMMUFD_RESOURCE, PluginConfig, default_config
 from hostdev.pciids import PciIds
@@ -32,8 +31,10 @@ from kubevirt_iommufd.demo_checks import Checks
 from kubevirt_iommufd.demo_dra import (
     NODE,
     attribute_value,
+    build_settings,
     check_registered,
     complete_pool,
+    prepare_shown,
     running_cluster,
 )
 from kubevirt_iommufd.demo_migrate_plugin import compare_with_plugin
@@ -80,14 +81,7 @@ def run_migrate(scenario: Scenario, work: Path, checks: Checks) -> None:
     root = build_tree(scenario.node(), work / "node")
     names = PciIds.find()
     config = _config()
-    settings = DriverSettings(
-        node=NODE,
-        driver=DEFAULT_DRIVER,
-        root=root,
-        kubelet_dir=work / "kubelet",
-        cdi_dir=work / "cdi",
-        state_dir=work / "state",
-    )
+    settings = build_settings(root, work)
     checks.step(1, "a node switched to the DRA driver: its devices, and the DeviceClasses")
     with running_cluster(settings, config) as (api, kubelet, driver):
         if not check_registered(kubelet, driver, checks):
@@ -264,17 +258,9 @@ def _step_prepare(
     kubelet: DRAKubeletStandIn, claim: Claim, requests: tuple[ExtendedRequest, ...], checks: Checks
 ) -> PrepareResult | None:
     checks.step(4, "the kubelet prepares the claim through the driver: NodePrepareResources (gRPC)")
-    result = kubelet.node_prepare_resources([claim]).get(claim.uid)
-    if not checks.check(
-        result is not None and not result.error, "the claim is prepared, with no error"
-    ):
-        checks.show(f"answer: {result}")
+    result = prepare_shown(kubelet, claim, checks)
+    if result is None:
         return None
-    assert result is not None
-    for device in result.devices:
-        checks.show(f"{', '.join(device.request_names)}: {device.device_name}")
-        for cdi in device.cdi_device_ids:
-            checks.show(f"  {cdi}")
     by_request = {
         r.request: sum(1 for d in result.devices if r.request in d.request_names) for r in requests
     }
