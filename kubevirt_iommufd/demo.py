@@ -3,66 +3,39 @@
 Every part is the real one, over its real transport: the device plugin over gRPC on unix sockets
 against the kubelet stand-in, the webhook over HTTPS, the iommufd fd hand-off over its socket,
 the launcher hook over its gRPC socket; in the `dra` scenario, the DRA driver instead
-(`demo_dra`). Each step prints what happened and checks it; the exit status is 0 only when every
-check held.
+(`demo_dra`); in the `migrate` scenario, a VMI written for the device plugin served by the DRA
+driver, then by the device plugin for comparison (`demo_migrate`). Each step prints what
+happened and checks it; the exit status is 0 only when every check held.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import base64
-import difflib
-import http.client
 import json
 import logging
-import os
 import shutil
-import socket
-import ssl
 import tempfile
-import threading
-import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import replace
-from importlib import resources
 from pathlib import Path
-from string import Template
-from typing import Any
 
-import grpc
-import yaml
-from lxml import etree
-
-from deviceplugin.manager import PluginManager
-from deviceplugin.metrics import PluginMetrics
-from hostdev.config import IommufdConfig, default_config
-from hostdev.iommufd_handoff import HandoffConfig, IommufdHandoff
+from hostdev.iommufd_handoff import IommufdHandoff
 from hostdev.naming import pci_resource_env
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
-from kubevirt_iommufd.demo_checks import Checks
+from kubevirt_iommufd.demo_checks import Checks, eventually
 from kubevirt_iommufd.demo_dra import run_dra
+from kubevirt_iommufd.demo_hook import ask_hook, domain_diff, read_decisions
+from kubevirt_iommufd.demo_launcher import take_iommufd
+from kubevirt_iommufd.demo_migrate import run_migrate
+from kubevirt_iommufd.demo_plugin import registered_resources, running_plugin
 from kubevirt_iommufd.demo_scenarios import SCENARIOS, Scenario
+from kubevirt_iommufd.demo_templates import build_domain, build_launcher_pod, build_vmi
+from kubevirt_iommufd.demo_webhook import admit
 from kubevirt_iommufd.inspect_report import build_report, render_table
-from launcher_hook.capabilities import LibvirtVersionSource
-from launcher_hook.domain import DECISION_NS
-from launcher_hook.handler import HookConfig, define_domain
-from launcher_hook.hooks.info import api_pb2 as info_pb2
-from launcher_hook.hooks.info import api_pb2_grpc as info_grpc
-from launcher_hook.hooks.v1alpha3 import api_pb2 as hooks_pb2
-from launcher_hook.hooks.v1alpha3 import api_pb2_grpc as hooks_grpc
-from launcher_hook.model import LibvirtVersion, Policy
-from launcher_hook.server import HookServer
 from sim.host import build_tree, hgx_h100
 from sim.kubelet import KubeletStandIn
-from webhook.certs import build_serving_certificate
 from webhook.config import IOMMUFD_RESOURCE
 from webhook.config import parse_config as parse_webhook_config
 from webhook.plan import pointer
-from webhook.server import WebhookServer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if scenario.flow == "dra":
             run_dra(scenario, work, checks)
+        elif scenario.flow == "migrate":
+            run_migrate(scenario, work, checks)
         else:
             _run(scenario, work, checks)
     finally:
@@ -108,7 +83,7 @@ def _run(scenario: Scenario, work: Path, checks: Checks) -> None:
         len(gpus) == 8 and all(g["backend"] == node_backend for g in gpus),
         f"8 GPUs assignable over {node_backend}",
     )
-    with _plugin(root, work, names) as (kubelet, handoff):
+    with running_plugin(root, work, names) as (kubelet, handoff):
         resource = _step_plugin(kubelet, checks, iommufd=node_backend == "iommufd")
         if resource is None:
             return
@@ -118,45 +93,11 @@ def _run(scenario: Scenario, work: Path, checks: Checks) -> None:
             _step_hook(scenario, root, work, resource, chosen, checks)
 
 
-@contextmanager
-def _plugin(
-    root: Path, work: Path, names: PciIds
-) -> Iterator[tuple[KubeletStandIn, IommufdHandoff]]:
-    kubelet = KubeletStandIn(work / "kubelet")
-    kubelet.start()
-    socket_dir = work / "fds"
-    config = replace(
-        default_config(),
-        # As the shipped manifests: a node without /dev/iommu keeps the slots allocatable.
-        iommufd=IommufdConfig(
-            socket_dir=socket_dir,
-            socket_uid=os.getuid(),
-            socket_gid=os.getgid(),
-            without_iommu_legacy=True,
-        ),
-    )
-    handoff = IommufdHandoff(
-        HandoffConfig(
-            socket_dir=socket_dir, root=root, owner_uid=os.getuid(), owner_gid=os.getgid()
-        )
-    )
-    manager = PluginManager(config, root, kubelet.directory, names, PluginMetrics(), handoff)
-    manager.start()
-    thread = threading.Thread(target=manager.run, name="demo-plugin", daemon=True)
-    thread.start()
-    try:
-        yield kubelet, handoff
-    finally:
-        manager.stop()
-        handoff.close()
-        kubelet.stop()
-
-
 def _step_plugin(kubelet: KubeletStandIn, checks: Checks, *, iommufd: bool) -> str | None:
     checks.step(2, "the device plugin registers with the kubelet and advertises")
 
     def both_registered() -> bool:
-        return len({r.request.resource_name for r in kubelet.registrations if r.snapshots}) >= 2
+        return len(registered_resources(kubelet)) >= 2
 
     try:
         kubelet.wait_for(both_registered)
@@ -185,10 +126,8 @@ def _step_plugin(kubelet: KubeletStandIn, checks: Checks, *, iommufd: bool) -> s
 
 def _step_webhook(resource: str, checks: Checks) -> None:
     checks.step(3, "the webhook admits the VM's virt-launcher pod (HTTPS, AdmissionReview v1)")
-    pod = _mapping(
-        yaml.safe_load(Template(_data("launcher-pod.yaml")).substitute(resource=resource))
-    )
-    patch = asyncio.run(_admit(pod))
+    pod = build_launcher_pod(resource)
+    patch = admit(parse_webhook_config({}), "/mutate-pod", pod)
     checks.show("JSON patch: " + json.dumps(patch))
     compute = next(i for i, c in enumerate(pod["spec"]["containers"]) if c["name"] == "compute")
     wanted = [
@@ -203,54 +142,6 @@ def _step_webhook(resource: str, checks: Checks) -> None:
         patch == wanted,
         f"adds {IOMMUFD_RESOURCE}: 1 to container compute's limits and requests",
     )
-
-
-async def _admit(pod: dict[str, Any]) -> list[dict[str, Any]]:
-    certificate = build_serving_certificate(["127.0.0.1"])
-    with tempfile.TemporaryDirectory(prefix="kid-tls-") as tls:
-        cert, key = Path(tls) / "tls.crt", Path(tls) / "tls.key"
-        cert.write_bytes(certificate.cert_pem)
-        key.write_bytes(certificate.key_pem)
-        server = WebhookServer(
-            parse_webhook_config({}), cert, key, port=0, health_port=0, host="127.0.0.1"
-        )
-        await server.start()
-        try:
-            review = {
-                "apiVersion": "admission.k8s.io/v1",
-                "kind": "AdmissionReview",
-                "request": {
-                    "uid": str(uuid.uuid4()),
-                    "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                    "resource": {"group": "", "version": "v1", "resource": "pods"},
-                    "namespace": "demo",
-                    "operation": "CREATE",
-                    "object": pod,
-                },
-            }
-            answer = await asyncio.to_thread(
-                _post, server.port, certificate.ca_pem, json.dumps(review).encode()
-            )
-        finally:
-            await server.stop()
-    response = answer["response"]
-    if "patch" not in response:
-        return []
-    patch: list[dict[str, Any]] = json.loads(base64.b64decode(response["patch"]))
-    return patch
-
-
-def _post(port: int, ca_pem: bytes, body: bytes) -> dict[str, Any]:
-    context = ssl.create_default_context(cadata=ca_pem.decode())
-    connection = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
-    try:
-        connection.request(
-            "POST", "/mutate-pod", body, headers={"Content-Type": "application/json"}
-        )
-        answer: dict[str, Any] = json.loads(connection.getresponse().read())
-        return answer
-    finally:
-        connection.close()
 
 
 def _step_allocate(
@@ -303,19 +194,10 @@ def _handoff(kubelet: KubeletStandIn, handoff: IommufdHandoff, checks: Checks, r
         f"Allocate {IOMMUFD_RESOURCE} -> /dev/iommu and {mount.host_path} mounted at"
         f" {mount.container_path}"
     )
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-        client.settimeout(5)
-        client.connect(mount.host_path)
-        _, fds, _, _ = socket.recv_fds(client, 1, 1)
-        try:
-            same = bool(fds) and os.fstat(fds[0]).st_ino == (root / "dev/iommu").stat().st_ino
-        finally:
-            for fd in fds:
-                os.close(fd)
-        client.sendall(b"\x00")
+    same = take_iommufd(mount.host_path, root / "dev/iommu")
     checks.check(same, "a launcher-like client received the /dev/iommu fd (SCM_RIGHTS), ACKed")
     checks.check(
-        _eventually(lambda: not Path(mount.host_path).exists() and handoff.stats().served == 1),
+        eventually(lambda: not Path(mount.host_path).exists() and handoff.stats().served == 1),
         "the one-shot socket is gone afterwards",
     )
 
@@ -324,89 +206,15 @@ def _step_hook(
     scenario: Scenario, root: Path, work: Path, resource: str, chosen: list[str], checks: Checks
 ) -> None:
     checks.step(5, "the launcher hook rewrites the domain KubeVirt generated (gRPC sidecar)")
-    config = HookConfig(
-        policy=Policy.AUTO,
-        root=root,
-        libvirt=LibvirtVersionSource(None, LibvirtVersion.parse(scenario.libvirt, "demo")),
-    )
-    server = HookServer(
-        work / "hooks" / "iommufd.sock", "iommufd", lambda d, v: define_domain(d, v, config)
-    )
-    server.start()
-    waiter = threading.Thread(target=server.wait, daemon=True)
-    waiter.start()
-    domain = Template(_data("domain.xml")).substitute(hostdevs=_hostdevs(chosen))
-    vmi = Template(_data("vmi.json")).substitute(resource=resource)
-    try:
-        with grpc.insecure_channel(f"unix://{server.socket_path}") as channel:
-            info = info_grpc.InfoStub(channel).Info(info_pb2.InfoParams(), timeout=5)
-            checks.show(
-                f"Info -> name {info.name}, versions {', '.join(info.versions)}, hook points "
-                + ", ".join(p.name for p in info.hookPoints)
-            )
-            callbacks = hooks_grpc.CallbacksStub(channel)
-            result = callbacks.OnDefineDomain(
-                hooks_pb2.OnDefineDomainParams(domainXML=domain.encode(), vmi=vmi.encode()),
-                timeout=10,
-            )
-            callbacks.Shutdown(hooks_pb2.ShutdownParams(), timeout=5)
-    finally:
-        server.stop()
-        waiter.join(5)
-    # Both through one serializer, so the diff shows what the hook changed, not lxml's spelling.
-    before = etree.tostring(etree.fromstring(domain.encode())).decode()
-    after = etree.tostring(etree.fromstring(result.domainXML)).decode()
-    diff = difflib.unified_diff(
-        before.splitlines(),
-        after.splitlines(),
-        "domain.xml (KubeVirt)",
-        "domain.xml (hook)",
-        lineterm="",
-        n=1,
-    )
-    checks.show("\n".join(diff) or "(no change)")
-    decisions = etree.fromstring(result.domainXML).findall(f".//{{{DECISION_NS}}}hostdev")
-    for entry in decisions:
-        alias, bdf, backend = entry.get("alias"), entry.get("bdf"), entry.get("backend")
-        checks.show(f"{alias} {bdf}: {backend} ({entry.get('reason')})")
+    domain = build_domain(chosen)
+    vmi = json.dumps(build_vmi(resource))
+    answer = ask_hook(work / "hooks" / "iommufd.sock", root, scenario.libvirt, domain, vmi)
+    checks.show(answer.info)
+    checks.show(domain_diff(domain.encode(), answer.domain))
+    decisions = read_decisions(answer.domain)
+    for d in decisions:
+        checks.show(f"{d.alias} {d.bdf}: {d.backend} ({d.reason})")
     checks.check(
-        len(decisions) == 2 and all(d.get("backend") == scenario.backend for d in decisions),
+        len(decisions) == 2 and all(d.backend == scenario.backend for d in decisions),
         f"both GPUs on {scenario.backend}, the decision recorded in <metadata>",
     )
-
-
-def _hostdevs(bdfs: list[str]) -> str:
-    aliases = ["ua-gpu-gpu1", "ua-hostdevice-gpu2"]
-    entries = []
-    for alias, bdf in zip(aliases, bdfs, strict=False):
-        domain, bus, rest = bdf.split(":")
-        slot, function = rest.split(".")
-        entries.append(
-            '    <hostdev type="pci" managed="no" mode="subsystem">\n'
-            "      <source>\n"
-            f'        <address type="pci" domain="0x{domain}" bus="0x{bus}" slot="0x{slot}"'
-            f' function="0x{function}"></address>\n'
-            "      </source>\n"
-            f'      <alias name="{alias}"></alias>\n'
-            "    </hostdev>"
-        )
-    return "\n".join(entries)
-
-
-def _mapping(value: object) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise TypeError(f"expected a mapping, got {type(value).__name__}")
-    return value
-
-
-def _data(name: str) -> str:
-    return resources.files("kubevirt_iommufd").joinpath("demo_data", name).read_text()
-
-
-def _eventually(condition: Callable[[], bool], timeout: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True

@@ -1,6 +1,10 @@
-"""The demo's output: numbered steps, indented details, and checks that remember a failure."""
+"""The demo's output: numbered steps, indented details, and checks that remember a failure (or
+wait for a condition first)."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 
 class Checks:
@@ -22,3 +26,13 @@ class Checks:
         if not ok:
             self.failed.append(text)
         return ok
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 2.0) -> bool:
+    """Whether `condition` holds within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

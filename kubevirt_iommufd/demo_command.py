@@ -21,7 +21,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             " ResourceSlices published, a claim allocated as the scheduler would, prepared"
             " (the CDI spec and KubeVirt's device metadata file printed), its GPU unbound and"
             " bound again (the kubelet's health stream and the slice's taint follow, timed) and"
-            " the claim unprepared."
+            " the claim unprepared. The migrate scenario serves a VMI written for the device"
+            " plugin (deviceName) through the DRA driver with no change to it: the webhook"
+            " admits it, the scheduler stand-in makes the extended-resource claim, the driver"
+            " prepares it over gRPC, the CDI spec is applied as the runtime applies it (device"
+            " nodes, PCI_RESOURCE_<NAME>, the iommufd socket), the fd is taken as the launcher"
+            " takes it and the hook moves the domain to iommufd; then the same VMI on a"
+            " device-plugin node, for comparison."
             " Exit 0 only when every step did what it should."
         ),
     )
@@ -30,7 +36,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=sorted(SCENARIOS),
         default="iommufd",
         help="iommufd (default), legacy-node or old-libvirt (the last two show the fall-back),"
-        " or dra (the DRA driver)",
+        " dra (the DRA driver), or migrate (a deviceName VMI served by the DRA driver)",
     )
     demo.add_argument("--verbose", action="store_true", help="also print the components' logs")
     demo.set_defaults(run=run)

@@ -23,7 +23,7 @@ from dra.command import DEFAULT_DRIVER
 from dra.driver import DraDriver, DriverSettings
 from dra.iommufd_slots import slot_index
 from hostdev.bdf import Bdf
-from hostdev.config import default_config
+from hostdev.config import PluginConfig, default_config
 from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
 from hostdev.scan import scan_host
@@ -58,17 +58,10 @@ Object = dict[str, Any]
 def run_dra(scenario: Scenario, work: Path, checks: Checks) -> None:
     root = build_tree(scenario.node(), work / "node")
     inventory = scan_host(root)
-    settings = DriverSettings(
-        node=NODE,
-        driver=DEFAULT_DRIVER,
-        root=root,
-        kubelet_dir=work / "kubelet",
-        cdi_dir=work / "cdi",
-        state_dir=work / "state",
-    )
+    settings = build_settings(root, work)
     checks.step(1, "the DRA driver starts on a simulated node and registers with the kubelet")
-    with _cluster(settings) as (api, kubelet, driver):
-        if not _step_register(kubelet, driver, checks):
+    with running_cluster(settings, default_config()) as (api, kubelet, driver):
+        if not check_registered(kubelet, driver, checks):
             return
         devices = _step_slices(api, checks)
         if not devices:
@@ -82,14 +75,27 @@ def run_dra(scenario: Scenario, work: Path, checks: Checks) -> None:
         _step_unprepare(kubelet, claim, files, settings, checks)
 
 
+def build_settings(root: Path, work: Path) -> DriverSettings:
+    """The driver's settings for the simulated node at `root`, its directories under `work`."""
+    return DriverSettings(
+        node=NODE,
+        driver=DEFAULT_DRIVER,
+        root=root,
+        kubelet_dir=work / "kubelet",
+        cdi_dir=work / "cdi",
+        state_dir=work / "state",
+    )
+
+
 @contextmanager
-def _cluster(
-    settings: DriverSettings,
+def running_cluster(
+    settings: DriverSettings, config: PluginConfig
 ) -> Iterator[tuple[ApiServerStandIn, DRAKubeletStandIn, DraDriver]]:
+    """The API server and kubelet stand-ins, and the real driver started against them."""
     with running_apiserver() as api, DRAKubeletStandIn(settings.kubelet_dir) as kubelet:
         api.put_node(NODE)
         with api.api_client() as client:
-            driver = DraDriver(settings, default_config(), PciIds.find(), ResourceApi(client))
+            driver = DraDriver(settings, config, PciIds.find(), ResourceApi(client))
             driver.start()
             try:
                 yield api, kubelet, driver
@@ -97,7 +103,8 @@ def _cluster(
                 driver.stop()
 
 
-def _step_register(kubelet: DRAKubeletStandIn, driver: DraDriver, checks: Checks) -> bool:
+def check_registered(kubelet: DRAKubeletStandIn, driver: DraDriver, checks: Checks) -> bool:
+    """Whether the driver registered with the kubelet as it should, shown."""
     name = driver.settings.driver
     try:
         registration = kubelet.wait_registered(name)
@@ -118,7 +125,7 @@ def _step_register(kubelet: DRAKubeletStandIn, driver: DraDriver, checks: Checks
 
 def _step_slices(api: ApiServerStandIn, checks: Checks) -> list[Object]:
     checks.step(2, "it publishes the node's devices as ResourceSlices (resource.k8s.io/v1, HTTPS)")
-    if not api.wait_until(lambda: _complete_pool(api.slices(NODE, DEFAULT_DRIVER)), 10):
+    if not api.wait_until(lambda: complete_pool(api.slices(NODE, DEFAULT_DRIVER)), 10):
         checks.check(False, "the pool's slices were published within 10 s")
         return []
     slices = api.slices(NODE, DEFAULT_DRIVER)
@@ -136,7 +143,8 @@ def _step_slices(api: ApiServerStandIn, checks: Checks) -> list[Object]:
     )
     rows = [("DEVICE", "PCI BUS ID", "PRODUCT", "NUMA", "GROUP", "IOMMUFD")]
     rows += [
-        (d["name"], *(str(_value(d["attributes"].get(key))) for key in SHOWN)) for d in devices
+        (d["name"], *(str(attribute_value(d["attributes"].get(key))) for key in SHOWN))
+        for d in devices
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     checks.show(
@@ -189,6 +197,21 @@ def _step_prepare(
     kubelet: DRAKubeletStandIn, claim: Claim, device: Object, checks: Checks
 ) -> PrepareResult | None:
     checks.step(4, "the kubelet prepares the claim for the VM's pod: NodePrepareResources (gRPC)")
+    result = prepare_shown(kubelet, claim, checks)
+    if result is None:
+        return None
+    checks.check(
+        [(d.request_names, d.pool_name, d.device_name) for d in result.devices]
+        == [((REQUEST,), NODE, device["name"])],
+        f"the answer names request {REQUEST}'s device and two CDI devices (nodes, metadata)",
+    )
+    again = kubelet.node_prepare_resources([claim]).get(claim.uid)
+    checks.check(again == result, "asked again (as the kubelet retries), the same answer")
+    return result
+
+
+def prepare_shown(kubelet: DRAKubeletStandIn, claim: Claim, checks: Checks) -> PrepareResult | None:
+    """The kubelet's NodePrepareResources of `claim`, checked and shown; None when it failed."""
     result = kubelet.node_prepare_resources([claim]).get(claim.uid)
     if not checks.check(
         result is not None and not result.error, "the claim is prepared, with no error"
@@ -203,13 +226,6 @@ def _step_prepare(
         )
         for cdi in prepared.cdi_device_ids:
             checks.show(f"  {cdi}")
-    checks.check(
-        [(d.request_names, d.pool_name, d.device_name) for d in result.devices]
-        == [((REQUEST,), NODE, device["name"])],
-        f"the answer names request {REQUEST}'s device and two CDI devices (nodes, metadata)",
-    )
-    again = kubelet.node_prepare_resources([claim]).get(claim.uid)
-    checks.check(again == result, "asked again (as the kubelet retries), the same answer")
     return result
 
 
@@ -227,7 +243,7 @@ def _step_files(
     if not checks.check(spec_path.is_file(), f"the claim's CDI spec is {spec_path.name}"):
         return []
     spec = json.loads(spec_path.read_text())
-    checks.show(_pretty(spec))
+    checks.show(pretty_json(spec))
     entries = {entry["name"]: entry["containerEdits"] for entry in spec["devices"]}
     nodes = [n["path"] for e in entries.values() for n in e.get("deviceNodes", [])]
     mounts = [m for e in entries.values() for m in e.get("mounts", [])]
@@ -245,7 +261,7 @@ def _step_files(
         f"{METADATA_ROOT}/resourceclaims/{CLAIM}/{REQUEST}/{metadata_file_name(settings.driver)}"
     )
     checks.show(f"metadata file, mounted in the pod at {mount['containerPath']}:")
-    checks.show(_pretty(metadata))
+    checks.show(pretty_json(metadata))
     checks.check(
         mount["containerPath"] == container_path and "ro" in mount.get("options", []),
         f"mounted where KubeVirt reads it: …/resourceclaims/{CLAIM}/{REQUEST}/",
@@ -366,20 +382,20 @@ def _step_unprepare(
     checks.check(again == {claim.uid: ""}, "asked again, it answers the same (idempotent)")
 
 
-def _pretty(value: object, indent: str = "") -> str:
+def pretty_json(value: object, indent: str = "") -> str:
     """JSON indented by level, with each object or list that fits on a short line kept on one."""
     flat = json.dumps(value, ensure_ascii=False)
     if len(indent) + len(flat) <= 72 or not isinstance(value, dict | list) or not value:
         return flat
     inner = indent + "  "
     if isinstance(value, dict):
-        items = [f"{inner}{json.dumps(k)}: {_pretty(v, inner)}" for k, v in value.items()]
+        items = [f"{inner}{json.dumps(k)}: {pretty_json(v, inner)}" for k, v in value.items()]
         return "{\n" + ",\n".join(items) + f"\n{indent}}}"
-    items = [f"{inner}{_pretty(v, inner)}" for v in value]
+    items = [f"{inner}{pretty_json(v, inner)}" for v in value]
     return "[\n" + ",\n".join(items) + f"\n{indent}]"
 
 
-def _complete_pool(slices: list[Object]) -> bool:
+def complete_pool(slices: list[Object]) -> bool:
     """Whether every slice of the pool's newest generation is there, as the scheduler waits for."""
     if not slices:
         return False
@@ -408,13 +424,13 @@ def _named_after_address(device: Object) -> bool:
 
 
 def _bdf(device: Object) -> Bdf | None:
-    text = _value(device.get("attributes", {}).get(PCI_BUS_ID))
+    text = attribute_value(device.get("attributes", {}).get(PCI_BUS_ID))
     try:
         return Bdf.parse(str(text))
     except ValueError:
         return None
 
 
-def _value(typed: object) -> object:
+def attribute_value(typed: object) -> object:
     """An attribute's value, whatever its type (`{"string": …}`, `{"int": …}`, `{"bool": …}`)."""
     return next(iter(typed.values()), "-") if isinstance(typed, dict) else "-"

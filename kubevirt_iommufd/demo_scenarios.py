@@ -17,12 +17,13 @@ class Scenario:
     libvirt: str
     backend: str
     """What the VM's GPUs should get: from the hook, or in the dra flow from the CDI spec."""
-    flow: Literal["device-plugin", "dra"] = "device-plugin"
-    """device-plugin (plugin, webhook, fd hand-off, hook) or dra (the DRA driver)."""
+    flow: Literal["device-plugin", "dra", "migrate"] = "device-plugin"
+    """device-plugin (plugin, webhook, fd hand-off, hook), dra (the DRA driver) or migrate (a
+    `deviceName` VMI served by the DRA driver, then by the device plugin)."""
 
     @property
     def steps(self) -> int:
-        return 7 if self.flow == "dra" else 5
+        return {"dra": 7, "migrate": 8}.get(self.flow, 5)
 
 
 SCENARIOS = {
@@ -51,5 +52,13 @@ SCENARIOS = {
         "12.9.0",
         "iommufd",
         flow="dra",
+    ),
+    "migrate": Scenario(
+        "a VMI written for the device plugin (gpus[].deviceName) on a node switched to the DRA"
+        " driver: extended resources, the iommufd fd, the hook; then on a device-plugin node",
+        hgx_h100,
+        "12.9.0",
+        "iommufd",
+        flow="migrate",
     ),
 }
