@@ -290,7 +290,6 @@ class Virsh:
             "PATH=/usr/bin:/bin",
             "LC_ALL=C.UTF-8",
             "virsh",
-            "-q",
             "-c",
             f"qemu:///embed?root={EMBED_ROOT}",
         ]
