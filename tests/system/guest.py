@@ -81,7 +81,7 @@ from guestkit import (
     unbind,
 )
 from launcher import IOMMUFD_RESOURCE, RESOURCE, VMI, check_hook, check_launcher_qemu
-from launcher_libvirt import edits_from_allocate, start_as_launcher
+from launcher_libvirt import edits_from_allocate, public_dir, start_as_launcher
 
 from hostdev.bdf import is_bdf
 from hostdev.iommu_ioctl import RLIMIT_MODE_PER_PROCESS, read_rlimit_mode
@@ -577,7 +577,7 @@ def check_libvirt_start(run: Runner, edus: list[Edu], plugin: Plugin, chroot: Pa
             plugin.kubelet.allocate(RESOURCE, [edus[0].bdf]),
             plugin.kubelet.allocate(IOMMUFD_RESOURCE, [LIBVIRT_SLOT]),
         ]
-        edits = edits_from_allocate(responses)
+        edits = edits_from_allocate(responses, [public_dir()])
         check.detail = start_as_launcher(chroot, VMI, pci_resource_env(RESOURCE), edits, edus)
 
 

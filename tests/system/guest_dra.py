@@ -30,8 +30,9 @@ checks play the scheduler and allocate claims by hand.
   watches     the driver's process holds a netlink socket on the kernel's uevent group and
               inotify watches on /dev/vfio and /dev/vfio/devices (read from /proc)
   upgrade     the driver runs with --instance-uid A; B is started beside it and the kubelet
-              stand-in calls B once B registers, which it does only when ready; a claim prepared and unprepared; A stopped (SIGTERM, exit 0):
-              its sockets gone, B's there, the slices not wiped; another claim through B
+              stand-in calls B once B registers, which it does only when ready (its log says
+              `ready:`); a claim prepared and unprepared; A stopped (SIGTERM, exit 0): its
+              sockets gone, B's there, the slices not wiped; another claim through B
   stop        SIGTERM to the last instance: exit 0, its sockets gone
 
 Before those, the driver is killed mid-bind twice on the real kernel (issue 19), through the

@@ -8,10 +8,9 @@ both as `extendedResourceName`, so the scheduler serves the pod from the DRA dri
 
 1. the classes are printed by the CLI for the driver's configuration and must name both
    resources;
-2. the scheduler's claim is written as kubernetes' scheduler writes it for a pod's extended
-   resources (pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go):
-   owned by the pod, annotated `resource.kubernetes.io/extended-resource-claim: "true"`, one
-   request `container-<i>-request-<j>` per container and resource with the resource's class;
+2. the scheduler's claim for the pod's extended resources is written by sim/scheduler.py, as
+   kube-scheduler writes it (one request `container-<i>-request-<j>` per container and resource,
+   the pod its controller, annotated `resource.kubernetes.io/extended-resource-claim`), and
    allocated the edu and the first free iommufd slot;
 3. NodePrepare through the DRA driver binds the edu (on no driver) to vfio-pci on demand;
 4. the claim's CDI devices are resolved and applied as the runtime does, and the VM is started
@@ -31,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from guestkit import CLI, Edu, Runner, require
 from launcher import IOMMUFD_RESOURCE, VMI
-from launcher_libvirt import edits_from_cdi, start_as_launcher
+from launcher_libvirt import edits_from_cdi, public_dir, start_as_launcher
 
-from dra.claims import EXTENDED_RESOURCE_CLAIM_ANNOTATION
 from hostdev.iommufd_handoff import CONTAINER_SOCKET_PATH
 from hostdev.naming import pci_resource_env
 from sim.apiserver import AllocatedDevice
 from sim.dra_kubelet import Claim
+from sim.scheduler import build_extended_resource_claim, plan_extended_requests
 
 if TYPE_CHECKING:
     from guest_dra import DraRun
@@ -48,50 +47,15 @@ POD_UID = "3f9b2c1e-8d4a-4e6f-9b7c-2a1d5e8f0c3b"
 
 
 def launcher_pod(namespace: str, resource: str) -> Object:
-    """The launcher pod's parts the scheduler reads: its compute container's limits."""
-    limits = {resource: "1", IOMMUFD_RESOURCE: "1"}
+    """The launcher pod's parts the scheduler reads: its compute container's requests (the API
+    server fills an extended resource's request from its limit)."""
+    wanted = {resource: "1", IOMMUFD_RESOURCE: "1"}
     return {
         "metadata": {"name": POD, "namespace": namespace, "uid": POD_UID},
-        "spec": {"containers": [{"name": "compute", "resources": {"limits": limits}}]},
-    }
-
-
-def scheduler_claim(pod: Object, classes: dict[str, str]) -> tuple[Object, dict[str, str]]:
-    """The claim the scheduler creates for the pod's extended resources that `classes` (resource
-    -> DeviceClass) serve, and which resource each of its requests stands for."""
-    requests = []
-    stands_for = {}
-    for i, container in enumerate(pod["spec"]["containers"]):
-        wanted = sorted(r for r in container["resources"]["limits"] if r in classes)
-        for j, resource in enumerate(wanted):
-            name = f"container-{i}-request-{j}"
-            count = int(container["resources"]["limits"][resource])
-            requests.append(
-                {"name": name, "exactly": {"deviceClassName": classes[resource], "count": count}}
-            )
-            stands_for[name] = resource
-    metadata = pod["metadata"]
-    claim = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {
-            "name": f"{metadata['name']}-extended-resources-4xq7n",
-            "namespace": metadata["namespace"],
-            "annotations": {EXTENDED_RESOURCE_CLAIM_ANNOTATION: "true"},
-            "ownerReferences": [
-                {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "name": metadata["name"],
-                    "uid": metadata["uid"],
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+        "spec": {
+            "containers": [{"name": "compute", "resources": {"limits": wanted, "requests": wanted}}]
         },
-        "spec": {"devices": {"requests": requests}},
     }
-    return claim, stands_for
 
 
 def printed_classes(config: Path, driver: str) -> dict[str, str]:
@@ -142,7 +106,15 @@ def check_migration(
         classes = printed_classes(names.config, driver)
         for resource in (resource_name, IOMMUFD_RESOURCE):
             require(resource in classes, f"dra-classes printed no class for {resource}: {classes}")
-        claim, stands_for = scheduler_claim(launcher_pod(namespace, resource_name), classes)
+        pod = launcher_pod(namespace, resource_name)
+        # The node has no device-plugin resources: everything the classes name goes to DRA.
+        requests = plan_extended_requests(pod, classes, allocatable={})
+        stands_for = {r.request: r.resource for r in requests}
+        require(
+            sorted(stands_for.values()) == sorted([resource_name, IOMMUFD_RESOURCE]),
+            f"the scheduler would ask DRA for {stands_for}",
+        )
+        claim = build_extended_resource_claim(pod, requests, f"{POD}-extended-resources-4xq7n")
         created = dra.api.put_claim(claim)
         slots = [d for d in dra.api.allocatable(node, driver) if d.startswith("iommufd-")]
         require(bool(slots), "the driver publishes no iommufd slot")
@@ -165,9 +137,11 @@ def check_migration(
             edu.cdev = edu.read_cdev()
             edu.group = (edu.sysfs / "iommu_group").readlink().name
             edits = edits_from_cdi(
-                dra.cdi_dir, [i for device in result.devices for i in device.cdi_device_ids]
+                dra.cdi_dir,
+                [i for device in result.devices for i in device.cdi_device_ids],
+                [public_dir()],
             )
-            mounted = [container for _, container in edits.mounts]
+            mounted = [each.container_path for each in edits.mounts]
             require(
                 CONTAINER_SOCKET_PATH in mounted,
                 f"the CDI spec mounts {mounted}, not {CONTAINER_SOCKET_PATH}",

@@ -33,12 +33,13 @@ import contextlib
 import itertools
 import json
 import os
+import posixpath
 import select
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from guestkit import CLI, CheckFailed, Edu, receive_fd, require, say
@@ -47,8 +48,10 @@ from libvirt12 import argv_copy
 from lxml import etree
 
 from hostdev.iommufd_handoff import CONTAINER_SOCKET_PATH, QEMU_GID, QEMU_UID
+from sim.container_runtime import ContainerEdits, Mount, apply_cdi_devices
 
 EMBED_ROOT = "/var/lib/kubevirt-iommufd-embed"
+PUBLIC_DIR = "/var/run/kubevirt"
 QEMU_BINARY = "/usr/bin/qemu-system-x86_64"
 FD_GROUP = "iommu"
 DOMAIN_NAME = "default_vmi-edu"
@@ -67,21 +70,19 @@ BASE_DEVICES = {
 }
 
 
-@dataclass(frozen=True)
-class ContainerEdits:
-    """What the compute container is given: by the device plugin's Allocate, or a CDI spec."""
-
-    device_nodes: tuple[str, ...]
-    env: dict[str, str]
-    mounts: tuple[tuple[str, str], ...]
-    """(host path, container path) of each file mount."""
+def public_dir() -> Mount:
+    """KubeVirt's "public" emptyDir, a pod mount of the compute container (107's)."""
+    directory = Path(tempfile.mkdtemp(prefix="kubevirt-public-"))
+    os.chown(directory, QEMU_UID, QEMU_GID)
+    return Mount(PUBLIC_DIR, str(directory))
 
 
-def edits_from_allocate(responses: Sequence[object]) -> ContainerEdits:
-    """The kubelet's view of AllocateResponses: device specs, envs and mounts of each one."""
+def edits_from_allocate(responses: Sequence[object], pod_mounts: Sequence[Mount]) -> ContainerEdits:
+    """The kubelet's view of AllocateResponses: device specs, envs and mounts of each one, with
+    the pod's mounts, sorted by depth as containerd sorts a container's mounts."""
     nodes: list[str] = []
     env: dict[str, str] = {}
-    mounts: list[tuple[str, str]] = []
+    mounts = list(pod_mounts)
     for response in responses:
         for container in response.container_responses:  # type: ignore[attr-defined]
             for device in container.devices:
@@ -91,42 +92,18 @@ def edits_from_allocate(responses: Sequence[object]) -> ContainerEdits:
                 )
                 nodes.append(device.host_path)
             env.update(container.envs)
-            mounts += [(m.host_path, m.container_path) for m in container.mounts]
-    return ContainerEdits(tuple(dict.fromkeys(nodes)), env, tuple(mounts))
+            mounts += [Mount(m.container_path, m.host_path) for m in container.mounts]
+    mounts.sort(key=lambda m: posixpath.normpath(m.container_path).count("/"))
+    return ContainerEdits(env, tuple(dict.fromkeys(nodes)), tuple(mounts))
 
 
-def edits_from_cdi(cdi_dir: Path, device_ids: Sequence[str]) -> ContainerEdits:
-    """The CDI devices `vendor/class=name` resolved as the runtime does: every spec file in the
-    directory read, each named device's containerEdits and its spec's own applied."""
-    specs = []
-    for path in sorted(cdi_dir.glob("*.json")):
-        specs.append(json.loads(path.read_text()))
-    nodes: list[str] = []
-    env: dict[str, str] = {}
-    mounts: list[tuple[str, str]] = []
-    for device_id in device_ids:
-        kind, _, name = device_id.partition("=")
-        found = [
-            (spec, entry)
-            for spec in specs
-            if spec.get("kind") == kind
-            for entry in spec.get("devices", [])
-            if entry.get("name") == name
-        ]
-        require(len(found) == 1, f"CDI device {device_id}: {len(found)} specs define it")
-        spec, entry = found[0]
-        for edits in (spec.get("containerEdits", {}), entry.get("containerEdits", {})):
-            for node in edits.get("deviceNodes", []):
-                require(
-                    node.get("hostPath", node["path"]) == node["path"],
-                    f"{device_id}: node {node} maps to another path",
-                )
-                nodes.append(node["path"])
-            for variable in edits.get("env", []):
-                key, _, value = variable.partition("=")
-                env[key] = value
-            mounts += [(m["hostPath"], m["containerPath"]) for m in edits.get("mounts", [])]
-    return ContainerEdits(tuple(dict.fromkeys(nodes)), env, tuple(mounts))
+def edits_from_cdi(
+    cdi_dir: Path, device_ids: Sequence[str], pod_mounts: Sequence[Mount]
+) -> ContainerEdits:
+    """The CDI devices `vendor/class=name` applied as the runtime applies them, from every spec
+    file in the directory."""
+    specs = [json.loads(path.read_text()) for path in sorted(cdi_dir.glob("*.json"))]
+    return apply_cdi_devices(specs, device_ids, pod_mounts)
 
 
 def inside(root: Path, container_path: str) -> Path:
@@ -169,17 +146,22 @@ def launcher_container(chroot: Path, edits: ContainerEdits) -> Iterator[Path]:
             copy = chroot / "run" / f"launcher-{name}"
             copy.write_text((chroot / "etc" / name).read_text() + line)
             mount("--bind", str(copy), str(chroot / "etc" / name))
-        public = inside(chroot, "/var/run/kubevirt")
-        public.mkdir()
-        os.chown(public, QEMU_UID, QEMU_GID)
-        for host_path, container_path in edits.mounts:
-            target = inside(chroot, container_path)
+        # In the runtime's order: a file mount inside the emptyDir made before the emptyDir's
+        # own mount would be hidden by it, and the launcher would find no socket.
+        for each in edits.mounts:
+            target = inside(chroot, each.container_path)
             # Only /run is writable in the read-only chroot; KubeVirt's emptyDir and the DRA
             # metadata directory (/var/run/kubernetes.io/…) are both under it.
-            require(chroot / "run" in target.parents, f"mount {container_path} is outside /var/run")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.touch()
-            mount("--bind", host_path, str(target))
+            require(
+                chroot / "run" in target.parents,
+                f"mount {each.container_path} is outside /var/run",
+            )
+            if Path(each.host_path).is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.touch()
+            mount("--bind", each.host_path, str(target))
         yield chroot
     finally:
         for point in reversed(mounted):
@@ -272,12 +254,15 @@ class Virsh:
     """`virsh -c qemu:///embed` in the container as 107:107 with no capabilities, one session:
     the fd association lives as long as the connection."""
 
-    def __init__(self, chroot: Path, pass_fds: Sequence[int], memlock_bytes: int) -> None:
+    def __init__(self, chroot: Path, pass_fds: Sequence[int]) -> None:
         argv = [
             "chroot",
             str(chroot),
             "prlimit",
-            f"--memlock={memlock_bytes}:{memlock_bytes}",
+            # virt-handler raises the launcher's limit from outside; libvirt, unprivileged, may
+            # then only lower it, to the guest's memory + 1 GiB for VFIO: a hard limit below
+            # that fails the start ("cannot limit locked memory … Operation not permitted").
+            "--memlock=unlimited:unlimited",
             "setpriv",
             f"--reuid={QEMU_UID}",
             f"--regid={QEMU_GID}",
@@ -451,7 +436,7 @@ def start_as_launcher(
         iommufd = receive_as_launcher(root)
         virsh: Virsh | None = None
         try:
-            virsh = Virsh(root, [iommufd], memlock_bytes=1 << 30)
+            virsh = Virsh(root, [iommufd])
             started = time.monotonic()
             virsh.run("define /tmp/domain.xml")
             virsh.run(f"dom-fd-associate {DOMAIN_NAME} --name {FD_GROUP} --pass-fds {iommufd}")
