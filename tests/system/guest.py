@@ -32,7 +32,8 @@ they can):
                   iommufd fd, A's cdev fd, B by host=; QMP and /proc/<pid>/fd say exactly that
   libvirt start   (launcher_libvirt.py) the same VMI's VM started by libvirt 12.9 as 107:107
                   with no capabilities, on device A and the plugin's handed-off fd: QEMU holds
-                  exactly that fd, and VmLck = VmPin (its RAM charged to its own memlock)
+                  exactly that fd, and VmLck = VmPin (its RAM charged to its own memlock);
+                  started again on an fd left per-user (as libvirt opens /dev/iommu): VmLck 0
   plugin stops    SIGTERM: exit 0, no sockets left
   lifecycle       bind/unbind/refused bind with the CLI, reset where the kernel can
 
@@ -571,14 +572,19 @@ def check_lifecycle(run: Runner, edus: list[Edu]) -> None:
 
 
 def check_libvirt_start(run: Runner, edus: list[Edu], plugin: Plugin, chroot: Path) -> None:
-    title = "libvirt 12.9 starts the VM as virt-launcher (107:107): the plugin's fd, VmLck = VmPin"
+    title = (
+        "libvirt 12.9 starts the VM as virt-launcher (107:107): the plugin's fd, VmLck = VmPin;"
+        " a per-user fd's VmLck 0"
+    )
     with run.check(title) as check:
         responses = [
             plugin.kubelet.allocate(RESOURCE, [edus[0].bdf]),
             plugin.kubelet.allocate(IOMMUFD_RESOURCE, [LIBVIRT_SLOT]),
         ]
         edits = edits_from_allocate(responses, [public_dir()])
-        check.detail = start_as_launcher(chroot, VMI, pci_resource_env(RESOURCE), edits, edus)
+        check.detail = start_as_launcher(
+            chroot, VMI, pci_resource_env(RESOURCE), edits, edus, control=True
+        )
 
 
 def run_checks(

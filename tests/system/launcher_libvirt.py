@@ -363,16 +363,28 @@ def kib(value: str) -> int:
     return int(number)
 
 
-def check_qemu(pid: int, iommufd: int, monitor: Virsh) -> str:
-    """QEMU as the launcher's: its ids, capabilities, the handed-off fd and its memlock."""
-    status = status_fields(pid)
-    require(status["Uid"].split() == [str(QEMU_UID)] * 4, f"QEMU's uids {status['Uid']}, not 107")
-    require(status["CapEff"] == "0" * 16, f"QEMU has capabilities {status['CapEff']}")
+def held_iommu(pid: int) -> list[int]:
+    """QEMU's fds on /dev/iommu."""
     iommu = []
     for link in Path(f"/proc/{pid}/fd").iterdir():
         with contextlib.suppress(OSError):
             if link.readlink() == Path("/dev/iommu"):
                 iommu.append(int(link.name))
+    return iommu
+
+
+def memlock(pid: int) -> tuple[int, int]:
+    """(VmLck, VmPin) in kB: what is charged to the process's memlock, and what it has pinned."""
+    status = status_fields(pid)
+    return kib(status["VmLck"]), kib(status["VmPin"])
+
+
+def check_qemu(pid: int, iommufd: int, monitor: Virsh) -> str:
+    """QEMU as the launcher's: its ids, capabilities, the handed-off fd and its memlock."""
+    status = status_fields(pid)
+    require(status["Uid"].split() == [str(QEMU_UID)] * 4, f"QEMU's uids {status['Uid']}, not 107")
+    require(status["CapEff"] == "0" * 16, f"QEMU has capabilities {status['CapEff']}")
+    iommu = held_iommu(pid)
     require(len(iommu) == 1, f"QEMU holds /dev/iommu {len(iommu)} times (fds {iommu})")
     require(
         same_open_file(pid, iommu[0], iommufd),
@@ -397,7 +409,7 @@ def check_qemu(pid: int, iommufd: int, monitor: Virsh) -> str:
     require(len(replies) == 1, f"QMP qom-get answered {answer!r}")
     link = replies[0].get("return")
     require(link == "/objects/iommufd0", f"the device's iommufd link is {link!r}")
-    locked, pinned = kib(status["VmLck"]), kib(status["VmPin"])
+    locked, pinned = memlock(pid)
     require(
         pinned >= GUEST_MEMORY_KIB,
         f"VmPin {pinned} kB: the guest's {GUEST_MEMORY_KIB} kB are not pinned",
@@ -419,8 +431,13 @@ def start_as_launcher(
     resource_env: str,
     edits: ContainerEdits,
     edus: list[Edu],
+    *,
+    control: bool = False,
 ) -> str:
-    """Steps 1-5 of the module's docstring and the checks on QEMU; the VM destroyed after."""
+    """Steps 1-5 of the module's docstring and the checks on QEMU; the VM destroyed after.
+    `control`: then started again on a `/dev/iommu` opened as libvirt opens it (its accounting
+    left per-user), whose pinned RAM must NOT show in QEMU's own `VmLck`: the figure the main
+    check compares is the accounting mode's doing."""
     by_bdf = {edu.bdf: edu for edu in edus}
     with launcher_container(chroot, edits) as root:
         bdfs = device_bdfs(edits, resource_env)
@@ -433,19 +450,49 @@ def start_as_launcher(
         ]
         require(backends == ["iommufd"] * len(bdfs), f"the hook decided {backends}")
         (root / "tmp" / "domain.xml").write_text(startable_copy(rewritten))
-        iommufd = receive_as_launcher(root)
+        opened = [receive_as_launcher(root)]
         virsh: Virsh | None = None
         try:
-            virsh = Virsh(root, [iommufd])
+            if control:
+                opened.append(os.open("/dev/iommu", os.O_RDWR | os.O_CLOEXEC))
+            virsh = Virsh(root, opened)
             started = time.monotonic()
             virsh.run("define /tmp/domain.xml")
-            virsh.run(f"dom-fd-associate {DOMAIN_NAME} --name {FD_GROUP} --pass-fds {iommufd}")
+            virsh.run(f"dom-fd-associate {DOMAIN_NAME} --name {FD_GROUP} --pass-fds {opened[0]}")
             virsh.run(f"start --paused {DOMAIN_NAME}")
             took = time.monotonic() - started
-            detail = check_qemu(qemu_pid(DOMAIN_NAME), iommufd, virsh)
+            detail = check_qemu(qemu_pid(DOMAIN_NAME), opened[0], virsh)
             virsh.run(f"destroy {DOMAIN_NAME}")
+            if control:
+                virsh.run(
+                    f"dom-fd-associate {DOMAIN_NAME} --name {FD_GROUP} --pass-fds {opened[1]}"
+                )
+                virsh.run(f"start --paused {DOMAIN_NAME}")
+                detail += "; " + check_per_user_control(qemu_pid(DOMAIN_NAME), opened[1])
+                virsh.run(f"destroy {DOMAIN_NAME}")
             return f"{resource_env}={','.join(bdfs)}; libvirt define+start {took:.1f} s; {detail}"
         finally:
             if virsh is not None:
                 virsh.close()
-            os.close(iommufd)
+            for fd in opened:
+                os.close(fd)
+
+
+def check_per_user_control(pid: int, iommufd: int) -> str:
+    """QEMU on a per-user `/dev/iommu`: its RAM pinned all the same, charged elsewhere."""
+    iommu = held_iommu(pid)
+    require(
+        len(iommu) == 1 and same_open_file(pid, iommu[0], iommufd),
+        f"control: QEMU's /dev/iommu fds {iommu} are not the per-user fd",
+    )
+    locked, pinned = memlock(pid)
+    require(pinned >= GUEST_MEMORY_KIB, f"control: VmPin {pinned} kB, the RAM is not pinned")
+    require(
+        locked == 0,
+        f"control: VmLck {locked} kB on a per-user fd (VmPin {pinned} kB): the comparison"
+        " does not tell the accounting modes apart",
+    )
+    return (
+        f"control, an fd left per-user as libvirt opens it: VmLck {locked} kB, VmPin {pinned} kB"
+        " (charged to uid 107's shared counter)"
+    )
