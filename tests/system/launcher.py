@@ -28,7 +28,7 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,34 @@ def launcher_view(scratch: Path, edus: list[Edu]) -> Iterator[Path]:
         subprocess.run(["umount", str(root / "sys")], check=False)
 
 
+def run_hook(vmi: Mapping[str, object], domain: str, root: Path) -> bytes:
+    """`hook on-define-domain` on a launcher's view under `root`: the rewritten domain."""
+    out = subprocess.run(
+        [
+            CLI,
+            "hook",
+            "on-define-domain",
+            "--vmi",
+            json.dumps(vmi),
+            "--domain",
+            domain,
+            "--root",
+            str(root),
+            "--cdev-check",
+            "node",
+            "--libvirt-version",
+            "12.9.0",
+        ],
+        capture_output=True,
+        check=False,
+    )
+    require(
+        out.returncode == 0,
+        f"hook exit {out.returncode}: {out.stderr.decode(errors='replace')[-400:]}",
+    )
+    return out.stdout
+
+
 def check_hook(run: Runner, edus: list[Edu], scratch: Path) -> list[tuple[str, bool]]:
     """The hook decides per device on the real sysfs: A (cdev visible) iommufd, B legacy."""
     plan: list[tuple[str, bool]] = []
@@ -150,27 +178,7 @@ def check_hook(run: Runner, edus: list[Edu], scratch: Path) -> list[tuple[str, b
     with run.check("hook: mixed domain (A iommufd, B legacy: no cdev node)") as check:
         require(len(edus) >= 2, "a mixed domain needs two edu devices (--edu 2 or more)")
         with launcher_view(scratch, edus) as root:
-            argv = [
-                CLI,
-                "hook",
-                "on-define-domain",
-                "--vmi",
-                json.dumps(VMI),
-                "--domain",
-                domain_xml(edus),
-                "--root",
-                str(root),
-                "--cdev-check",
-                "node",
-                "--libvirt-version",
-                "12.9.0",
-            ]
-            out = subprocess.run(argv, capture_output=True, check=False)
-        require(
-            out.returncode == 0,
-            f"exit {out.returncode}: {out.stderr.decode(errors='replace')[-400:]}",
-        )
-        rewritten = out.stdout
+            rewritten = run_hook(VMI, domain_xml(edus), root)
         document = etree.fromstring(rewritten)
         decisions = document.findall(f"metadata/{DECISION}decision/{DECISION}hostdev")
         by_bdf = {d.get("bdf"): d for d in decisions}

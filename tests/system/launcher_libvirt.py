@@ -42,8 +42,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from guestkit import CLI, CheckFailed, Edu, receive_fd, require, say
-from launcher import domain_xml, same_open_file
+from guestkit import CheckFailed, Edu, receive_fd, require, say
+from launcher import domain_xml, run_hook, same_open_file
 from libvirt12 import argv_copy
 from lxml import etree
 
@@ -199,30 +199,6 @@ def launcher_domain(edus: list[Edu]) -> str:
     assert devices is not None
     devices.addprevious(etree.Element("iommufd", enabled="yes", fdgroup=FD_GROUP))
     return etree.tostring(document).decode()
-
-
-def rewrite_with_hook(vmi: Mapping[str, object], domain: str, root: Path) -> etree._Element:
-    out = subprocess.run(
-        [
-            CLI,
-            "hook",
-            "on-define-domain",
-            "--vmi",
-            json.dumps(vmi),
-            "--domain",
-            domain,
-            "--root",
-            str(root),
-            "--cdev-check",
-            "node",
-            "--libvirt-version",
-            "12.9.0",
-        ],
-        capture_output=True,
-        check=False,
-    )
-    require(out.returncode == 0, f"hook exit {out.returncode}: {out.stderr.decode()[-400:]}")
-    return etree.fromstring(out.stdout)
 
 
 def startable_copy(rewritten: etree._Element) -> str:
@@ -443,7 +419,9 @@ def start_as_launcher(
         bdfs = device_bdfs(edits, resource_env)
         unknown = [bdf for bdf in bdfs if bdf not in by_bdf]
         require(not unknown, f"{resource_env} names {unknown}, not an edu device")
-        rewritten = rewrite_with_hook(vmi, launcher_domain([by_bdf[b] for b in bdfs]), root)
+        rewritten = etree.fromstring(
+            run_hook(vmi, launcher_domain([by_bdf[b] for b in bdfs]), root)
+        )
         backends = [
             record.get("backend")
             for record in rewritten.iter("{https://kubevirt-iommufd.io/xmlns/decision/v1}hostdev")
