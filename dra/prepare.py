@@ -361,12 +361,13 @@ class ClaimPreparer:
         with self._serialized():
             self._store.mark_unprepared(ref.uid)
             known = self._store.get(ref.uid)
-            # The files have fixed names, so a claim whose record was never written (a crash
-            # between writing and recording) is still cleaned up.
-            self._paths.spec(self._driver, ref.uid).unlink(missing_ok=True)
-            for name in known.files if known else ():
+            # The files are named after the claim, so one whose record was never written (a
+            # crash between writing and recording) is still cleaned up.
+            files = known.files if known else self._paths.files_of(self._driver, ref.uid)
+            for name in files:
                 Path(name).unlink(missing_ok=True)
-            shutil.rmtree(self._paths.metadata_root(ref.uid), ignore_errors=True)
+            # One lstat when there is none (every claim prepared since the files lay flat).
+            shutil.rmtree(self._paths.legacy_metadata_root(ref.uid), ignore_errors=True)
             self._withdraw_handoff(ref.uid)
             # The record goes last: while the devices are not back, their group stays held.
             if self._binder is not None:
