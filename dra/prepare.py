@@ -192,11 +192,15 @@ class ClaimPreparer:
 
     def _prepare_one(self, ref: ClaimRef) -> PreparedClaim:
         _check_ref(ref)
-        with self._serialized():
-            known = self._store.get(ref.uid)
-            if known is not None and self._still_prepared(known):
-                return known
-            unprepared = self._store.unprepared_mark(ref.uid)
+        # A first look without the locks: a claim prepared already (a kubelet retry) is answered
+        # from the records as they are on disk. An unprepare under way changes the claim's
+        # mark either after this look, which stops this prepare below, or before it, as if this
+        # call had come after that one, which is what waiting for the locks here would give.
+        self._store.refresh()
+        known = self._store.get(ref.uid)
+        if known is not None and self._still_prepared(known):
+            return known
+        unprepared = self._store.unprepared_mark(ref.uid)
         # The API server is asked without the lock: a slow answer holds up this claim only.
         claim = self._claims.read_claim(ref.namespace, ref.name)
         allocation = parse_allocation(claim, ref, self._driver, self._pool)
@@ -368,7 +372,8 @@ class ClaimPreparer:
                 Path(name).unlink(missing_ok=True)
             # One lstat when there is none (every claim prepared since the files lay flat).
             shutil.rmtree(self._paths.legacy_metadata_root(ref.uid), ignore_errors=True)
-            self._withdraw_handoff(ref.uid)
+            if known is None or known.handoff:
+                self._withdraw_handoff(ref.uid)
             # The record goes last: while the devices are not back, their group stays held.
             if self._binder is not None:
                 self._binder.release(ref.uid)
