@@ -394,7 +394,7 @@ def _journal_files(directory: Path) -> list[Path]:
     none when the directory cannot be listed. One directory read: listed at every prepare and
     unprepare, mostly empty."""
     try:
-        names = os.listdir(directory)
+        names = os.listdir(directory)  # noqa: PTH208 - names only; iterdir makes a Path of each
     except OSError:
         return []
     return [directory / n for n in sorted(names) if n.endswith(".json") and n[0] != "."]

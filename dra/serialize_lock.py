@@ -7,9 +7,9 @@ which both pods mount, as the kubeletplugin helper serializes its instances
 (k8s.io/dynamic-resource-allocation kubeletplugin/draplugin.go, `serializeGRPCIfEnabled`). The
 kernel drops it when its holder dies, so whoever holds it is alive. The holder writes who it is
 (pid, instance) into the file, for a waiter's message, unless the file says so already (the
-node's only instance writes it once, not twice at every prepare and unprepare). A lock taken on a file someone removed
-meanwhile (a kubelet wiping its plugin directory) is let go and taken again on the file at the
-path: two holders of two different files would not exclude each other.
+node's only instance writes it once, not twice at every prepare and unprepare). A lock taken on
+a file someone removed meanwhile (a kubelet wiping its plugin directory) is let go and taken
+again on the file at the path: two holders of two different files would not exclude each other.
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ class SerializeLockBusy(OSError):
 class SerializeLock:
     def __init__(self, path: Path, instance: str, wait_seconds: float = WAIT_SECONDS) -> None:
         self.path = path
-        self._holder = json.dumps(
-            {"pid": os.getpid(), "instance": instance or "(single)"}
-        ).encode()
+        self._holder = json.dumps({"pid": os.getpid(), "instance": instance or "(single)"}).encode()
         self._wait = wait_seconds
 
     @contextmanager

@@ -669,9 +669,8 @@ def test_a_waiter_names_the_holder_of_now_not_the_one_before(tmp_path: Path) -> 
     old, new = SerializeLock(path, OLD), SerializeLock(path, "")
     waiter = SerializeLock(path, NEW, wait_seconds=0.05)
     for holder, name in ((old, OLD), (new, "(single)"), (old, OLD), (old, OLD)):
-        with holder.hold():
-            with pytest.raises(SerializeLockBusy) as busy, waiter.hold():
-                pass
+        with holder.hold(), pytest.raises(SerializeLockBusy) as busy, waiter.hold():
+            pass
         said = str(busy.value)
         assert f'"instance": "{name}"}}) has held' in said, said
 
