@@ -38,6 +38,7 @@ from pathlib import Path
 
 from bench.benchkit import cpu_seconds, rss_mb
 from bench.dra_driver import DRIVER, NODE, complete_pool, percentile
+from dra.devices import PCI_BUS_ID
 from sim.apiserver import AllocatedDevice, ApiServerStandIn, build_resource_claim, running_apiserver
 from sim.dra_kubelet import Claim, DRAKubeletStandIn
 from sim.host import CLASS_ETHERNET, FunctionSpec, HostSpec, build_tree, hgx_h100, scale
@@ -139,7 +140,14 @@ def dra_round(
                     raise RuntimeError("the driver did not publish its slices within 120 s")
                 node.add("dra", kind, SLICES, (time.monotonic() - started) * 1000)
                 slices = api.slices(NODE, DRIVER)
-                published = [d["name"] for s in slices for d in s["spec"]["devices"]]
+                # PCI functions only: the pool also has the node's iommufd slots, which a stride
+                # over all of them would mostly pick.
+                published = [
+                    d["name"]
+                    for s in slices
+                    for d in s["spec"]["devices"]
+                    if PCI_BUS_ID in d.get("attributes", {})
+                ]
                 # Eight devices in eight IOMMU groups, as eight GPUs would be.
                 devices = published[:: max(1, len(published) // 8)][:8]
             prepare_cycle(api, kubelet, f"{kind}-warm-{time.monotonic_ns()}", devices[0])

@@ -358,7 +358,7 @@ class OnDemandBinder:
 
     def _entries(self) -> Iterator[tuple[Path, JournalEntry | Exception]]:
         """Every entry of the journal, or why it cannot be read."""
-        for path in sorted(self._dir.glob("*.json")) if self._dir.is_dir() else ():
+        for path in _journal_files(self._dir):
             try:
                 entry: JournalEntry | Exception = _read_entry(path)
             except (OSError, ValueError, RecursionError) as error:
@@ -387,6 +387,17 @@ class OnDemandBinder:
         self._path(claim_uid).unlink(missing_ok=True)
         if self._dir.is_dir():
             sync_directory(self._dir)
+
+
+def _journal_files(directory: Path) -> list[Path]:
+    """The entries' files, in order, without the temporary files of writes under way (dotted);
+    none when the directory cannot be listed. One directory read: listed at every prepare and
+    unprepare, mostly empty."""
+    try:
+        names = os.listdir(directory)  # noqa: PTH208 - names only; iterdir makes a Path of each
+    except OSError:
+        return []
+    return [directory / n for n in sorted(names) if n.endswith(".json") and n[0] != "."]
 
 
 def _read_entry(path: Path) -> JournalEntry:

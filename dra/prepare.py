@@ -192,11 +192,15 @@ class ClaimPreparer:
 
     def _prepare_one(self, ref: ClaimRef) -> PreparedClaim:
         _check_ref(ref)
-        with self._serialized():
-            known = self._store.get(ref.uid)
-            if known is not None and self._still_prepared(known):
-                return known
-            unprepared = self._store.unprepared_mark(ref.uid)
+        # A first look without the locks: a claim prepared already (a kubelet retry) is answered
+        # from the records as they are on disk. An unprepare under way changes the claim's
+        # mark either after this look, which stops this prepare below, or before it, as if this
+        # call had come after that one, which is what waiting for the locks here would give.
+        self._store.refresh()
+        known = self._store.get(ref.uid)
+        if known is not None and self._still_prepared(known):
+            return known
+        unprepared = self._store.unprepared_mark(ref.uid)
         # The API server is asked without the lock: a slow answer holds up this claim only.
         claim = self._claims.read_claim(ref.namespace, ref.name)
         allocation = parse_allocation(claim, ref, self._driver, self._pool)
@@ -361,13 +365,15 @@ class ClaimPreparer:
         with self._serialized():
             self._store.mark_unprepared(ref.uid)
             known = self._store.get(ref.uid)
-            # The files have fixed names, so a claim whose record was never written (a crash
-            # between writing and recording) is still cleaned up.
-            self._paths.spec(self._driver, ref.uid).unlink(missing_ok=True)
-            for name in known.files if known else ():
+            # The files are named after the claim, so one whose record was never written (a
+            # crash between writing and recording) is still cleaned up.
+            files = known.files if known else self._paths.files_of(self._driver, ref.uid)
+            for name in files:
                 Path(name).unlink(missing_ok=True)
-            shutil.rmtree(self._paths.metadata_root(ref.uid), ignore_errors=True)
-            self._withdraw_handoff(ref.uid)
+            # One lstat when there is none (every claim prepared since the files lay flat).
+            shutil.rmtree(self._paths.legacy_metadata_root(ref.uid), ignore_errors=True)
+            if known is None or known.handoff:
+                self._withdraw_handoff(ref.uid)
             # The record goes last: while the devices are not back, their group stays held.
             if self._binder is not None:
                 self._binder.release(ref.uid)

@@ -57,12 +57,22 @@ class Paths:
     def spec(self, driver: str, uid: str) -> Path:
         return self.cdi_dir / spec_file_name(driver, uid)
 
-    def metadata_root(self, uid: str) -> Path:
-        return self.metadata_dir / uid
-
     def metadata(self, uid: str, request: str, driver: str) -> Path:
-        """The host file of a main request's metadata."""
-        return self.metadata_root(uid) / request / metadata_file_name(driver)
+        """The host file of a main request's metadata: side by side with every other claim's,
+        named by the claim and the request (neither holds a `_`), so that no directory is made
+        for a prepare nor removed for an unprepare. The CDI spec mounts the file itself, where
+        the container looks for it."""
+        return self.metadata_dir / f"{uid}_{request}_{metadata_file_name(driver)}"
+
+    def files_of(self, driver: str, uid: str) -> tuple[Path, ...]:
+        """Every file on the host a prepare of the claim writes, found without its record (a
+        crash between writing them and recording it)."""
+        return (self.spec(driver, uid), *sorted(self.metadata_dir.glob(f"{uid}_*")))
+
+    def legacy_metadata_root(self, uid: str) -> Path:
+        """The directory a claim prepared by a driver from before the files lay side by side has
+        its metadata in (`<uid>/<request>/<file>`)."""
+        return self.metadata_dir / uid
 
     def handoff(self, uid: str) -> Path | None:
         """The socket of the claim's iommufd hand-off."""
@@ -305,13 +315,15 @@ def _duplicate(allocation: ClaimAllocation, driver: str) -> str | None:
 def _misplaced(
     allocation: ClaimAllocation, request: str, host_path: Path, driver: str, paths: Paths
 ) -> str | None:
-    """Why a request's metadata would go elsewhere than its claim's own directory, on the host
-    and in the container; None when both are where they belong. A pure check on the paths."""
-    root = paths.metadata_root(allocation.ref.uid)
-    if not (_lies_in(host_path, root, 2) and _lies_in(root, paths.metadata_dir, 1)):
+    """Why a request's metadata would go elsewhere than its claim's own file in the metadata
+    directory, on the host, or its claim's directory in the container; None when both are where
+    they belong. A pure check on the paths."""
+    # Names made of the request stay apart only while it is one plain name without a `_`.
+    plain = request not in ("", ".", "..") and "/" not in request and "_" not in request
+    if not (plain and _lies_in(host_path, paths.metadata_dir, 1)):
         return (
-            f"its metadata would be written at {quote_untrusted(str(host_path))}, not in the"
-            f" claim's own directory {root}: refused; {NOT_FROM_THE_API}"
+            f"its metadata would be written at {quote_untrusted(str(host_path))}, not as the"
+            f" claim's own file in {paths.metadata_dir}: refused; {NOT_FROM_THE_API}"
         )
     container_path = PurePosixPath(metadata_container_path(allocation, request, driver))
     base = metadata_container_base(allocation)

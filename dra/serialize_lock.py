@@ -6,9 +6,10 @@ The lock is an exclusive `flock` on `plugins/<driver>/serialize.lock` in the kub
 which both pods mount, as the kubeletplugin helper serializes its instances
 (k8s.io/dynamic-resource-allocation kubeletplugin/draplugin.go, `serializeGRPCIfEnabled`). The
 kernel drops it when its holder dies, so whoever holds it is alive. The holder writes who it is
-(pid, instance) into the file, for a waiter's message. A lock taken on a file someone removed
-meanwhile (a kubelet wiping its plugin directory) is let go and taken again on the file at the
-path: two holders of two different files would not exclude each other.
+(pid, instance) into the file, for a waiter's message, unless the file says so already (the
+node's only instance writes it once, not twice at every prepare and unprepare). A lock taken on
+a file someone removed meanwhile (a kubelet wiping its plugin directory) is let go and taken
+again on the file at the path: two holders of two different files would not exclude each other.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class SerializeLockBusy(OSError):
 class SerializeLock:
     def __init__(self, path: Path, instance: str, wait_seconds: float = WAIT_SECONDS) -> None:
         self.path = path
-        self._holder = json.dumps({"pid": os.getpid(), "instance": instance or "(single)"})
+        self._holder = json.dumps({"pid": os.getpid(), "instance": instance or "(single)"}).encode()
         self._wait = wait_seconds
 
     @contextmanager
@@ -49,20 +50,24 @@ class SerializeLock:
             fd = self._open()
             try:
                 if self._take(fd, deadline):
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, self._holder.encode(), 0)
+                    if os.pread(fd, len(self._holder) + 1, 0) != self._holder:
+                        os.ftruncate(fd, 0)
+                        os.pwrite(fd, self._holder, 0)
                     try:
                         yield
                     finally:
-                        os.ftruncate(fd, 0)
                         fcntl.flock(fd, fcntl.LOCK_UN)
                     return
             finally:
                 os.close(fd)
 
     def _open(self) -> int:
-        make_directories(self.path.parent, _DIRECTORY_MODE)
-        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            return os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            make_directories(self.path.parent, _DIRECTORY_MODE)
+            return os.open(self.path, flags, 0o600)
 
     def _take(self, fd: int, deadline: float) -> bool:
         """Lock `fd`; False when it no longer is the file at the path (open it again)."""

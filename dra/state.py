@@ -12,7 +12,7 @@ What each file must survive: a record is durable before NodePrepare answers and 
 before NodeUnprepare answers (file and directory fsynced): a record lost to a power loss would
 set a VM's devices free for another claim, and one coming back would hold them for a claim the
 kubelet has let go of. An unprepared mark only needs to be seen by a prepare running at the same
-time, which a power loss ends too: it is written whole, without a sync.
+time, which a power loss ends too: it is made or touched, without a sync.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from hostdev.atomic_file import sync_directory, write_file_atomically, write_file_whole
+from hostdev.atomic_file import sync_directory, write_file_atomically
 from hostdev.bdf import Bdf, is_bdf
-from hostdev.directories import make_private_directory
+from hostdev.directories import make_directories, make_private_directory
 from hostdev.untrusted import quote_untrusted
 
 log = logging.getLogger(__name__)
@@ -326,7 +326,7 @@ class ClaimStore:
         prepare must not go on. Marks older than an hour, far longer than any read may take, are
         removed (looked for once a minute)."""
         try:
-            write_file_whole(self._unprepared / uid, b"", 0o600, directory_mode=RECORDS_MODE)
+            _touch_later(self._unprepared / uid)
             if time.monotonic() - self._marks_pruned >= _MARKS_PRUNED_EVERY_SECONDS:
                 self._marks_pruned = time.monotonic()
                 cutoff = time.time() - _MARKS_KEPT_SECONDS
@@ -338,8 +338,8 @@ class ClaimStore:
             ) from error
 
     def unprepared_mark(self, uid: str) -> tuple[int, int] | None:
-        """Changes whenever the claim is unprepared (a new file each time: its inode differs
-        from the one it replaced, whatever the clock's granularity)."""
+        """Changes whenever the claim is unprepared: the file appears, or its modification time
+        is set later than it was (`_touch_later`)."""
         try:
             info = (self._unprepared / uid).lstat()
         except FileNotFoundError:
@@ -362,6 +362,22 @@ class ClaimStore:
                 if str(error) != said:
                     said = str(error)
                     log.error("re-reading the prepared claims failed: %s", error)
+
+
+def _touch_later(mark: Path) -> None:
+    """Make `mark`, or set its modification time later than it was, whatever the clock's
+    granularity: one file made and no rename (a mark needs no content and no sync)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(mark, flags, 0o600)
+    except FileNotFoundError:
+        make_directories(mark.parent, RECORDS_MODE)
+        fd = os.open(mark, flags, 0o600)
+    try:
+        later = max(time.time_ns(), os.fstat(fd).st_mtime_ns + 1)
+        os.utime(fd, ns=(later, later))
+    finally:
+        os.close(fd)
 
 
 def _remove_if_older(mark: Path, cutoff: float) -> None:

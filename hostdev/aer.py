@@ -8,6 +8,7 @@ the function exists: they start at 0 when it is enumerated and never go down.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ FATAL_FILE = "aer_dev_fatal"
 NONFATAL_FILE = "aer_dev_nonfatal"
 FATAL_TOTAL = "TOTAL_ERR_FATAL"
 NONFATAL_TOTAL = "TOTAL_ERR_NONFATAL"
+_PAGE = 65536
+"""More than a sysfs attribute holds (one page)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +43,22 @@ def parse_aer_total(text: str, total: str) -> int | None:
 def read_aer_counts(root: Path, bdf: Bdf) -> AerCounts | None:
     """The function's counters; None when the kernel exposes none for it (no AER capability,
     a kernel without CONFIG_PCIEAER, or the function gone)."""
-    device = root / "sys/bus/pci/devices" / str(bdf)
+    device = f"{root}/sys/bus/pci/devices/{bdf}/"
     try:
-        fatal = parse_aer_total((device / FATAL_FILE).read_text(), FATAL_TOTAL)
-        nonfatal = parse_aer_total((device / NONFATAL_FILE).read_text(), NONFATAL_TOTAL)
+        fatal = parse_aer_total(_read_attribute(device + FATAL_FILE), FATAL_TOTAL)
+        nonfatal = parse_aer_total(_read_attribute(device + NONFATAL_FILE), NONFATAL_TOTAL)
     except (OSError, UnicodeDecodeError):
         return None
     if fatal is None or nonfatal is None:
         return None
     return AerCounts(fatal, nonfatal)
+
+
+def _read_attribute(path: str) -> str:
+    """A sysfs attribute (at most a page) in one read: the DRA driver reads two per device every
+    50 ms, and a path object and a text file for each cost three times as much."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, _PAGE).decode()
+    finally:
+        os.close(fd)

@@ -295,7 +295,7 @@ def test_every_directory_and_file_the_driver_makes_has_its_mode_under_umask_000(
                 assert kubelet.node_prepare_resources([claim])[claim.uid].error == ""
         finally:
             driver.stop()
-        state, metadata = base / "state", base / "state" / "metadata" / claim.uid
+        state = base / "state"
         # Only root writes anywhere. The runtime (root) reads the CDI specs and mounts the
         # metadata files, which KubeVirt reads in the launcher pod as uid 107: readable by all;
         # the claim records and binding journals are root's alone.
@@ -312,9 +312,7 @@ def test_every_directory_and_file_the_driver_makes_has_its_mode_under_umask_000(
                 state / "claims" / f"{claim.uid}.json",
                 state / "bindings",
                 state / "metadata",
-                metadata,
-                metadata / "gpu",
-                *(metadata / "gpu").iterdir(),
+                *(state / "metadata").iterdir(),
             )
         } == {
             "kubelet": "0o750",
@@ -327,9 +325,7 @@ def test_every_directory_and_file_the_driver_makes_has_its_mode_under_umask_000(
             f"state/claims/{claim.uid}.json": "0o600",
             "state/bindings": "0o700",
             "state/metadata": "0o755",
-            f"state/metadata/{claim.uid}": "0o755",
-            f"state/metadata/{claim.uid}/gpu": "0o755",
-            f"state/metadata/{claim.uid}/gpu/{DRIVER}-metadata.json": "0o644",
+            f"state/metadata/{claim.uid}_gpu_{DRIVER}-metadata.json": "0o644",
         }
 
 

@@ -128,6 +128,56 @@ def test_unprepare_removes_everything_and_is_idempotent(node: Node) -> None:
     assert node.start().unprepare([REF]) == {REF.uid: None}
 
 
+def test_metadata_files_lie_side_by_side_and_an_unprepare_takes_only_its_own(node: Node) -> None:
+    """No directory per claim or request (one mkdir and one rmdir fewer per claim): each file is
+    named after its claim and request, and the CDI spec mounts the file itself."""
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0"), ("nic", "pci-0000-2a-00-0")])
+    node.claims.add(OTHER, [("gpu", "pci-0000-3a-00-0")])
+    for ref in (REF, OTHER):
+        assert isinstance(node.preparer.prepare([ref])[ref.uid], PreparedClaim)
+    suffix = f"{DRIVER}-metadata.json"
+    assert sorted(p.name for p in node.paths.metadata_dir.iterdir()) == [
+        f"{REF.uid}_gpu_{suffix}",
+        f"{REF.uid}_nic_{suffix}",
+        f"{OTHER.uid}_gpu_{suffix}",
+    ]
+    assert node.preparer.unprepare([REF]) == {REF.uid: None}
+    assert [p.name for p in node.paths.metadata_dir.iterdir()] == [f"{OTHER.uid}_gpu_{suffix}"]
+
+
+def test_files_written_before_a_crash_left_no_record_are_removed_by_the_unprepare(
+    node: Node,
+) -> None:
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    node.claims.add(OTHER, [("gpu", "pci-0000-3a-00-0")])
+    for ref in (REF, OTHER):
+        assert isinstance(node.preparer.prepare([ref])[ref.uid], PreparedClaim)
+    (node.state_dir / "claims" / f"{REF.uid}.json").unlink()
+    assert node.start().unprepare([REF]) == {REF.uid: None}
+    left = {p.name for d in (node.paths.cdi_dir, node.paths.metadata_dir) for p in d.iterdir()}
+    assert left == {f"{DRIVER}-claim_{OTHER.uid}.json", f"{OTHER.uid}_gpu_{DRIVER}-metadata.json"}
+
+
+def test_a_claim_prepared_with_a_metadata_directory_of_its_own_is_unprepared_whole(
+    node: Node,
+) -> None:
+    """A claim a driver from before the files lay side by side prepared (`<uid>/<request>/`):
+    after an upgrade its unprepare removes its directories too."""
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim)
+    spec, flat = answer.files
+    legacy = node.paths.metadata_dir / REF.uid / "gpu" / f"{DRIVER}-metadata.json"
+    legacy.parent.mkdir(parents=True)
+    Path(flat).rename(legacy)
+    record = node.state_dir / "claims" / f"{REF.uid}.json"
+    document = json.loads(record.read_text())
+    document["files"] = [spec, str(legacy)]
+    record.write_text(json.dumps(document))
+    assert node.start().unprepare([REF]) == {REF.uid: None}
+    assert list(node.paths.metadata_dir.iterdir()) == []
+
+
 def test_lost_cdi_files_are_written_again(node: Node) -> None:
     node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
     answer = node.preparer.prepare([REF])[REF.uid]

@@ -74,7 +74,7 @@ def test_a_hostile_claim_is_refused_and_writes_nothing_anywhere(
     assert answer.startswith(f"{REF}: ") and words in answer
     assert tree(tmp_path) == before
     # The other claim's VM still reads its own device's address.
-    (metadata,) = (node.paths.metadata_dir / OTHER.uid).rglob("*-metadata.json")
+    (metadata,) = node.paths.metadata_dir.glob(f"{OTHER.uid}_*-metadata.json")
     (request,) = json.loads(metadata.read_text())["requests"]
     assert [d["name"] for d in request["devices"]] == [OTHER_GPU]
 
@@ -83,7 +83,7 @@ def test_a_subrequest_is_prepared_under_its_main_request(node: Node) -> None:
     node.claims.add(REF, [("gpu/high-memory", GPU)])
     answer = node.preparer.prepare([REF])[REF.uid]
     assert isinstance(answer, PreparedClaim)
-    metadata = node.paths.metadata_dir / REF.uid / "gpu" / f"{DRIVER}-metadata.json"
+    metadata = node.paths.metadata_dir / f"{REF.uid}_gpu_{DRIVER}-metadata.json"
     assert answer.files[1:] == (str(metadata),)
     assert [r["name"] for r in json.loads(metadata.read_text())["requests"]] == ["gpu/high-memory"]
     spec = json.loads(Path(answer.files[0]).read_text())
@@ -96,4 +96,4 @@ def test_a_subrequest_is_prepared_under_its_main_request(node: Node) -> None:
         f"{DRIVER}-metadata.json"
     )
     assert node.preparer.unprepare([REF]) == {REF.uid: None}
-    assert not (node.paths.metadata_dir / REF.uid).exists()
+    assert list(node.paths.metadata_dir.iterdir()) == []

@@ -179,8 +179,8 @@ def test_devices_on_vfio_get_their_files_and_record() -> None:
     assert isinstance(answer, WritePlan)
     suffix = f"{DRIVER}-metadata.json"
     assert [str(f.path) for f in answer.files] == [
-        f"/state/metadata/uid-1/gpu/{suffix}",
-        f"/state/metadata/uid-1/nic/{suffix}",
+        f"/state/metadata/uid-1_gpu_{suffix}",
+        f"/state/metadata/uid-1_nic_{suffix}",
         f"/cdi/{DRIVER}-claim_uid-1.json",
     ]
     gpu_metadata = json.loads(answer.files[0].content)
@@ -216,8 +216,8 @@ def test_devices_on_vfio_get_their_files_and_record() -> None:
         ),
         files=(
             f"/cdi/{DRIVER}-claim_uid-1.json",
-            f"/state/metadata/uid-1/gpu/{suffix}",
-            f"/state/metadata/uid-1/nic/{suffix}",
+            f"/state/metadata/uid-1_gpu_{suffix}",
+            f"/state/metadata/uid-1_nic_{suffix}",
         ),
     )
 
@@ -267,15 +267,15 @@ def test_a_subrequest_writes_where_the_kep_and_kubevirt_read_it() -> None:
     answer = plan(wanted, {GPU_A: on_vfio(GPU_A, 7), GPU_B: on_vfio(GPU_B, 8)})
     files = written(answer)
     suffix = f"{DRIVER}-metadata.json"
-    metadata = files[f"/state/metadata/uid-1/gpu/{suffix}"]
+    metadata = files[f"/state/metadata/uid-1_gpu_{suffix}"]
     assert isinstance(metadata, dict)
-    # The directory is the main request's; the document names the subrequest allocated.
+    # The file is the main request's; the document names the subrequest allocated.
     assert [r["name"] for r in metadata["requests"]] == ["gpu/high-memory"]
     spec = files[f"/cdi/{DRIVER}-claim_uid-1.json"]
     assert isinstance(spec, dict)
     mounts = {e["name"]: e["containerEdits"]["mounts"][0] for e in spec["devices"][2:]}
     assert mounts["uid-1-metadata-gpu"] == {
-        "hostPath": f"/state/metadata/uid-1/gpu/{suffix}",
+        "hostPath": f"/state/metadata/uid-1_gpu_{suffix}",
         "containerPath": "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-gpus/gpu/"
         + suffix,
         "options": ["ro", "nosuid", "nodev", "bind"],
@@ -292,14 +292,14 @@ OTHER_UID = "uid-2"
     "request_name",
     ["/abs/dir", "..", "../..", f"../{OTHER_UID}/gpu", "../../../etc/cron.d/x", ".", "/"],
 )
-def test_a_request_whose_metadata_path_leaves_the_claims_directory_is_refused(
+def test_a_request_whose_metadata_would_not_be_the_claims_own_file_is_refused(
     request_name: str,
 ) -> None:
     answer = plan(allocation((request_name, GPU_A)), {GPU_A: on_vfio(GPU_A, 7)})
     assert isinstance(answer, Refusal)
     assert answer.message.startswith(f"{REF}: request ")
     assert "its metadata would be written at" in answer.message
-    assert "not in the claim's own directory /state/metadata/uid-1" in answer.message
+    assert "not as the claim's own file in /state/metadata" in answer.message
     assert "something other than the API server answered" in answer.message
 
 

@@ -213,3 +213,21 @@ def test_marking_unprepared_ignores_what_else_lies_among_old_marks(tmp_path: Pat
     assert sorted(p.name for p in marks.iterdir()) == ["a-directory", "second"]
     assert target.read_bytes() == b"kept"
     assert store.unprepared_mark("second") is not None
+
+
+def test_each_unprepare_changes_the_mark_even_within_one_tick_of_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepare compares the mark before and after its read of the claim: a second unprepare
+    of the claim must change it even when the clock has not moved."""
+    store = ClaimStore(tmp_path)
+    store.load()
+    assert store.unprepared_mark("claim") is None
+    monkeypatch.setattr(time, "time_ns", lambda: 1_000_000_000)
+    store.mark_unprepared("claim")
+    first = store.unprepared_mark("claim")
+    store.mark_unprepared("claim")
+    second = store.unprepared_mark("claim")
+    assert None is not first != second is not None
+    assert oct((tmp_path / "unprepared").stat().st_mode & 0o777) == "0o700"
+    assert oct((tmp_path / "unprepared" / "claim").stat().st_mode & 0o777) == "0o600"

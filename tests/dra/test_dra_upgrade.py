@@ -669,6 +669,19 @@ def test_a_lock_held_too_long_names_its_holder(tmp_path: Path) -> None:
         pass
 
 
+def test_a_waiter_names_the_holder_of_now_not_the_one_before(tmp_path: Path) -> None:
+    """The file keeps the last holder's name after it lets go; whoever takes the lock next
+    writes its own, longer or shorter."""
+    path = tmp_path / "serialize.lock"
+    old, new = SerializeLock(path, OLD), SerializeLock(path, "")
+    waiter = SerializeLock(path, NEW, wait_seconds=0.05)
+    for holder, name in ((old, OLD), (new, "(single)"), (old, OLD), (old, OLD)):
+        with holder.hold(), pytest.raises(SerializeLockBusy) as busy, waiter.hold():
+            pass
+        said = str(busy.value)
+        assert f'"instance": "{name}"}}) has held' in said, said
+
+
 def test_a_lock_file_removed_under_a_waiter_is_not_two_locks(tmp_path: Path) -> None:
     """The kubelet wiping its plugin directory while one instance holds the lock: a waiter
     that got the old file's lock takes the new file's instead of believing it alone."""
