@@ -15,14 +15,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deviceplugin.inventory import DeviceTree, VfioResource, build_device_tree
 from deviceplugin.metrics import PluginMetrics
-from deviceplugin.podresources_client import (
-    AssignmentPoller,
-    AssignmentsSeen,
-    AssignmentsUnavailable,
-)
 from deviceplugin.registration import (
     KUBELET_SOCKET,
     PluginServer,
@@ -31,7 +27,6 @@ from deviceplugin.registration import (
     remove_stale_sockets,
     socket_name,
 )
-from deviceplugin.resetter import DevicesAllocated, ResetCoordinator, ResetFinished
 from deviceplugin.servicer import Handoff, IommufdServicer, VfioServicer
 from deviceplugin.watch import (
     FilesystemWatch,
@@ -40,16 +35,19 @@ from deviceplugin.watch import (
     WatchEvent,
 )
 from hostdev.bdf import Bdf
-from hostdev.binding.sysfs_write import KernelSysfs, SysfsWriter
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
 from hostdev.directories import make_directories
 from hostdev.grpc_socket import SOCKET_DIRECTORY_MODE
-from hostdev.labels.node_labels import build_node_labels
 from hostdev.labels.publisher import LabelPublisher
 from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
+
+if TYPE_CHECKING:
+    from deviceplugin.podresources_client import AssignmentPoller
+    from deviceplugin.resetter import ResetCoordinator, UseEvent
+    from hostdev.binding.sysfs_write import SysfsWriter
 
 log = logging.getLogger(__name__)
 _SIGNAL_SLICE = 0.5
@@ -67,19 +65,16 @@ class _Batch:
     kubelet_started: bool = False
     removed_sockets: set[str] = field(default_factory=set)
     stop: bool = False
-    assignments: AssignmentsSeen | None = None
-    assignments_unavailable: str | None = None
-    allocated: list[DevicesAllocated] = field(default_factory=list)
-    resets_finished: list[ResetFinished] = field(default_factory=list)
+    use: list[UseEvent] = field(default_factory=list)
+    """Reset after use: for the resetter to fold in."""
 
 
 class _Stop:
     """Queued by `stop()` to end `run()`."""
 
 
-_Event = (
-    WatchEvent | _Stop | AssignmentsSeen | AssignmentsUnavailable | DevicesAllocated | ResetFinished
-)
+if TYPE_CHECKING:
+    _Event = WatchEvent | _Stop | UseEvent
 
 
 class PluginManager:
@@ -117,6 +112,11 @@ class PluginManager:
         self._resets: ResetCoordinator | None = None
         self._poller: AssignmentPoller | None = None
         if config.resets_after_use:
+            # Loaded here: a plugin whose resources never reset registers without them.
+            from deviceplugin.podresources_client import AssignmentPoller
+            from deviceplugin.resetter import ResetCoordinator
+            from hostdev.binding.sysfs_write import KernelSysfs
+
             self._resets = ResetCoordinator(
                 root, sysfs_writer or KernelSysfs(), self._events.put, time.monotonic
             )
@@ -163,6 +163,7 @@ class PluginManager:
             self._serve(iommufd.resource_name, self._iommufd)
             self._count_iommufd()
         self._register_pending()
+        self._publish_labels()
         if self._poller is not None:
             self._poller.start()
         self.ready.set()
@@ -291,14 +292,8 @@ class PluginManager:
                 batch.rescan |= event.rescan
                 batch.bdfs |= event.bdfs
                 batch.reasons.append(event.reason)
-            elif isinstance(event, AssignmentsSeen):
-                batch.assignments = event  # the newest List says it all
-            elif isinstance(event, AssignmentsUnavailable):
-                batch.assignments_unavailable = event.error
-            elif isinstance(event, DevicesAllocated):
-                batch.allocated.append(event)
-            elif isinstance(event, ResetFinished):
-                batch.resets_finished.append(event)
+            else:
+                batch.use.append(event)
         return batch
 
     def _refresh(self, batch: _Batch) -> None:
@@ -309,6 +304,7 @@ class PluginManager:
             self._inventory = refresh_host(self._root, self._inventory, batch.bdfs)
         self._scanned = build_device_tree(self._inventory, self._config, self._names, self._scanned)
         self._apply(self._published(), cause)
+        self._publish_labels()
 
     def _published(self) -> DeviceTree:
         return self._scanned if self._resets is None else self._resets.overlay(self._scanned)
@@ -317,21 +313,13 @@ class PluginManager:
         """Reset after use: fold in Allocates, finished resets and the newest List."""
         if self._resets is None or self._inventory is None:
             return
-        changed = False
-        for allocated in batch.allocated:
-            self._resets.allocated(allocated)
-        for finished in batch.resets_finished:
-            changed |= self._resets.finished(finished)
-        if batch.assignments_unavailable is not None and batch.assignments is None:
-            self._resets.unavailable(batch.assignments_unavailable)
-        if batch.assignments is not None:
-            changed |= self._resets.assignments(batch.assignments, self._scanned, self._inventory)
-        if changed:
+        if self._resets.fold(batch.use, self._scanned, self._inventory):
             self._apply(self._published(), "reset after use")
 
     def _on_allocated(self, resource: str, device_ids: tuple[str, ...]) -> None:
         """From a gRPC thread: note the allocation and ask the kubelet soon who holds what."""
-        self._events.put(DevicesAllocated(resource, device_ids))
+        if self._resets is not None:
+            self._resets.note_allocated(resource, device_ids)
         if self._poller is not None:
             self._poller.poke()
 
@@ -382,12 +370,14 @@ class PluginManager:
                 cause,
             )
             self._count_iommufd()
-        self._publish_labels()
 
     def _publish_labels(self) -> None:
         """The node labels follow the scanned tree (a device awaiting its reset still counts:
         the labels say what the node offers, the kubelet's capacity what is free)."""
         if self._labels is not None and self._inventory is not None:
+            # Loaded at the first labels, after the first registrations.
+            from hostdev.labels.node_labels import build_node_labels
+
             counts = self._scanned.iommufd_counts()
             self._labels.publish(build_node_labels(self._inventory.capabilities, counts))
 
