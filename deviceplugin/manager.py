@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +38,7 @@ from deviceplugin.watch import (
 from hostdev.bdf import Bdf
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
+from hostdev.device_nodes import IOMMU_NODE
 from hostdev.directories import make_directories
 from hostdev.grpc_socket import SOCKET_DIRECTORY_MODE
 from hostdev.labels.publisher import LabelPublisher
@@ -127,6 +129,7 @@ class PluginManager:
         self._vfio: dict[str, VfioServicer] = {}
         self._iommufd: IommufdServicer | None = None
         self._servers: dict[str, PluginServer] = {}
+        self._registrar = ThreadPoolExecutor(max_workers=4, thread_name_prefix="register")
         self._unregistered: set[str] = set()
         self._retry_delay = _RETRY_FIRST
         self._retry_at: float | None = None
@@ -142,27 +145,33 @@ class PluginManager:
         return self._tree
 
     def start(self) -> None:
-        """Scan, serve every resource, try to register, start watching."""
+        """Watch, serve every resource and register it, then label the node and poll.
+
+        The iommufd slots need no scan: they are served first and registered while the host is
+        scanned, so the kubelet's round trip (it dials back at once) overlaps the scan."""
         make_directories(self._kubelet_dir, SOCKET_DIRECTORY_MODE)
         remove_stale_sockets(self._kubelet_dir)
         for watch in self._watches:
             watch.start()
-        self._inventory = scan_host(self._root)
-        self._scanned = build_device_tree(self._inventory, self._config, self._names)
-        self._apply(self._published(), "start")
+        under_way: dict[str, Future[None]] = {}
         if self._config.iommufd.enabled and self._handoff is not None:
             iommufd = self._config.iommufd
             self._iommufd = IommufdServicer(
                 iommufd.resource_name,
                 iommufd.slots,
-                self._tree.iommu_node_present,
+                (self._root / IOMMU_NODE.lstrip("/")).exists(),
                 self._handoff,
                 self._metrics.allocation,
                 legacy_without_iommu=iommufd.without_iommu_legacy,
             )
             self._serve(iommufd.resource_name, self._iommufd)
             self._count_iommufd()
-        self._register_pending()
+            if (self._kubelet_dir / KUBELET_SOCKET).exists():
+                under_way[iommufd.resource_name] = self._register_async(iommufd.resource_name)
+        self._inventory = scan_host(self._root)
+        self._scanned = build_device_tree(self._inventory, self._config, self._names)
+        self._apply(self._published(), "start")
+        self._register_pending(under_way)
         self._publish_labels()
         if self._poller is not None:
             self._poller.start()
@@ -200,6 +209,7 @@ class PluginManager:
             server.stop(grace=0.1)
             self._close_servicer(resource)
         self._servers.clear()
+        self._registrar.shutdown(wait=False, cancel_futures=True)
         if self._labels is not None:
             self._labels.close()
 
@@ -402,21 +412,35 @@ class PluginManager:
         self._retry_delay = _RETRY_FIRST
         self._register_pending()
 
-    def _register_pending(self) -> None:
+    def _register_async(self, resource: str) -> Future[None]:
+        """Register `resource` in a thread: the kubelet dials back before it answers."""
+        server = self._servers[resource]
+        if not server.present:
+            server.restart(grace=0)
+        return self._registrar.submit(
+            register_with_kubelet,
+            self._kubelet_dir,
+            resource,
+            server.path.name,
+            server.servicer.options,
+        )
+
+    def _register_pending(self, under_way: dict[str, Future[None]] | None = None) -> None:
+        """Register every resource not registered yet, all at once; `under_way`: registrations
+        already started."""
         kubelet_socket = self._kubelet_dir / KUBELET_SOCKET
         if not kubelet_socket.exists():
             log.info("waiting for the kubelet socket=%s", kubelet_socket)
             # Its creation is an inotify event; the slow retry covers a watch that was lost.
             self._retry_at = time.monotonic() + _RETRY_MAX
             return
-        for resource in sorted(self._unregistered):
+        attempts = dict(under_way or {})
+        for resource in sorted(self._unregistered - attempts.keys()):
+            attempts[resource] = self._register_async(resource)
+        for resource, attempt in sorted(attempts.items()):
             server = self._servers[resource]
-            if not server.present:
-                server.restart(grace=0)
             try:
-                register_with_kubelet(
-                    self._kubelet_dir, resource, server.path.name, server.servicer.options
-                )
+                attempt.result()
             except RegistrationError as error:
                 log.warning("registration failed resource=%s error=%r", resource, str(error))
                 self._metrics.registration(resource, "failed")
