@@ -18,14 +18,20 @@ def plugin(*args: str) -> list[str]:
     return [sys.executable, "-m", "kubevirt_iommufd", "plugin", *args]
 
 
-def test_runs_registers_and_stops_on_sigterm(
-    build_host: BuildHost, short_dir: Path, tmp_path: Path
-) -> None:
-    root = build_host(hgx_h100())
+def write_config(tmp_path: Path, short_dir: Path) -> Path:
+    """Hand-off sockets in the short directory, owned by whoever runs the tests."""
     config = tmp_path / "config.yaml"
     config.write_text(
         f"iommufd:\n  socketDir: {short_dir / 'fds'}\n  socketOwner: {{uid: 0, gid: 0}}\n"
     )
+    return config
+
+
+def test_runs_registers_and_stops_on_sigterm(
+    build_host: BuildHost, short_dir: Path, tmp_path: Path
+) -> None:
+    root = build_host(hgx_h100())
+    config = write_config(tmp_path, short_dir)
     kubelet = KubeletStandIn(short_dir / "kubelet")
     kubelet.start()
     process = subprocess.Popen(
@@ -90,10 +96,7 @@ def test_metrics_port_taken_exits_1_with_the_port_and_removes_its_sockets(
     """The metrics are served after the kubelet was told of the plugin: a port another process
     holds stops the plugin with the port named, and takes its registered sockets back."""
     root = build_host(hgx_h100())
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"iommufd:\n  socketDir: {short_dir / 'fds'}\n  socketOwner: {{uid: 0, gid: 0}}\n"
-    )
+    config = write_config(tmp_path, short_dir)
     kubelet = KubeletStandIn(short_dir / "kubelet")
     kubelet.start()
     with socket.socket() as taken:
