@@ -112,8 +112,6 @@ def run(args: argparse.Namespace) -> int:
     handoff = _handoff(config, args.root) if config.iommufd.enabled else None
     if handoff is not None:
         metrics.watch_handoffs(handoff.stats)
-    if args.metrics_port:
-        metrics.serve(args.metrics_port)
     names = PciIds(config.pci_ids) if config.pci_ids else PciIds.find()
     labels = build_label_publisher(
         feature_file_path(args.feature_file, config, args.root, "plugin"), "plugin", node_labeler
@@ -142,6 +140,18 @@ def run(args: argparse.Namespace) -> int:
             manager.stop()
             print(f"kubevirt-iommufd plugin: {error}", file=sys.stderr)
             return 1
+        if args.metrics_port:
+            # Once the kubelet knows the plugin: serving loads prometheus_client.
+            try:
+                metrics.serve(args.metrics_port)
+            except OSError as error:
+                manager.stop()
+                print(
+                    f"kubevirt-iommufd plugin: cannot serve metrics on port {args.metrics_port}:"
+                    f" {error.strerror or error}",
+                    file=sys.stderr,
+                )
+                return 1
         manager.run()
     finally:
         if handoff is not None:

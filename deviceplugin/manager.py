@@ -13,16 +13,13 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deviceplugin.inventory import DeviceTree, VfioResource, build_device_tree
 from deviceplugin.metrics import PluginMetrics
-from deviceplugin.podresources_client import (
-    AssignmentPoller,
-    AssignmentsSeen,
-    AssignmentsUnavailable,
-)
 from deviceplugin.registration import (
     KUBELET_SOCKET,
     PluginServer,
@@ -31,7 +28,6 @@ from deviceplugin.registration import (
     remove_stale_sockets,
     socket_name,
 )
-from deviceplugin.resetter import DevicesAllocated, ResetCoordinator, ResetFinished
 from deviceplugin.servicer import Handoff, IommufdServicer, VfioServicer
 from deviceplugin.watch import (
     FilesystemWatch,
@@ -40,16 +36,20 @@ from deviceplugin.watch import (
     WatchEvent,
 )
 from hostdev.bdf import Bdf
-from hostdev.binding.sysfs_write import KernelSysfs, SysfsWriter
 from hostdev.config import PluginConfig
 from hostdev.device_events import DevicesChanged, UdevWatch
+from hostdev.device_nodes import IOMMU_NODE
 from hostdev.directories import make_directories
 from hostdev.grpc_socket import SOCKET_DIRECTORY_MODE
-from hostdev.labels.node_labels import build_node_labels
 from hostdev.labels.publisher import LabelPublisher
 from hostdev.model import HostInventory
 from hostdev.pciids import PciIds
 from hostdev.scan import refresh_host, scan_host
+
+if TYPE_CHECKING:
+    from deviceplugin.podresources_client import AssignmentPoller
+    from deviceplugin.resetter import ResetCoordinator, UseEvent
+    from hostdev.binding.sysfs_write import SysfsWriter
 
 log = logging.getLogger(__name__)
 _SIGNAL_SLICE = 0.5
@@ -67,19 +67,16 @@ class _Batch:
     kubelet_started: bool = False
     removed_sockets: set[str] = field(default_factory=set)
     stop: bool = False
-    assignments: AssignmentsSeen | None = None
-    assignments_unavailable: str | None = None
-    allocated: list[DevicesAllocated] = field(default_factory=list)
-    resets_finished: list[ResetFinished] = field(default_factory=list)
+    use: list[UseEvent] = field(default_factory=list)
+    """Reset after use: for the resetter to fold in."""
 
 
 class _Stop:
     """Queued by `stop()` to end `run()`."""
 
 
-_Event = (
-    WatchEvent | _Stop | AssignmentsSeen | AssignmentsUnavailable | DevicesAllocated | ResetFinished
-)
+if TYPE_CHECKING:
+    _Event = WatchEvent | _Stop | UseEvent
 
 
 class PluginManager:
@@ -117,6 +114,11 @@ class PluginManager:
         self._resets: ResetCoordinator | None = None
         self._poller: AssignmentPoller | None = None
         if config.resets_after_use:
+            # Loaded here: a plugin whose resources never reset registers without them.
+            from deviceplugin.podresources_client import AssignmentPoller
+            from deviceplugin.resetter import ResetCoordinator
+            from hostdev.binding.sysfs_write import KernelSysfs
+
             self._resets = ResetCoordinator(
                 root, sysfs_writer or KernelSysfs(), self._events.put, time.monotonic
             )
@@ -127,6 +129,7 @@ class PluginManager:
         self._vfio: dict[str, VfioServicer] = {}
         self._iommufd: IommufdServicer | None = None
         self._servers: dict[str, PluginServer] = {}
+        self._registrar = ThreadPoolExecutor(max_workers=4, thread_name_prefix="register")
         self._unregistered: set[str] = set()
         self._retry_delay = _RETRY_FIRST
         self._retry_at: float | None = None
@@ -142,27 +145,34 @@ class PluginManager:
         return self._tree
 
     def start(self) -> None:
-        """Scan, serve every resource, try to register, start watching."""
+        """Watch, serve every resource and register it, then label the node and poll.
+
+        The iommufd slots need no scan: they are served first and registered while the host is
+        scanned, so the kubelet's round trip (it dials back at once) overlaps the scan."""
         make_directories(self._kubelet_dir, SOCKET_DIRECTORY_MODE)
         remove_stale_sockets(self._kubelet_dir)
         for watch in self._watches:
             watch.start()
-        self._inventory = scan_host(self._root)
-        self._scanned = build_device_tree(self._inventory, self._config, self._names)
-        self._apply(self._published(), "start")
+        under_way: dict[str, Future[None]] = {}
         if self._config.iommufd.enabled and self._handoff is not None:
             iommufd = self._config.iommufd
             self._iommufd = IommufdServicer(
                 iommufd.resource_name,
                 iommufd.slots,
-                self._tree.iommu_node_present,
+                (self._root / IOMMU_NODE.lstrip("/")).exists(),
                 self._handoff,
                 self._metrics.allocation,
                 legacy_without_iommu=iommufd.without_iommu_legacy,
             )
             self._serve(iommufd.resource_name, self._iommufd)
             self._count_iommufd()
-        self._register_pending()
+            if (self._kubelet_dir / KUBELET_SOCKET).exists():
+                under_way[iommufd.resource_name] = self._register_async(iommufd.resource_name)
+        self._inventory = scan_host(self._root)
+        self._scanned = build_device_tree(self._inventory, self._config, self._names)
+        self._apply(self._published(), "start")
+        self._register_pending(under_way)
+        self._publish_labels()
         if self._poller is not None:
             self._poller.start()
         self.ready.set()
@@ -199,6 +209,7 @@ class PluginManager:
             server.stop(grace=0.1)
             self._close_servicer(resource)
         self._servers.clear()
+        self._registrar.shutdown(wait=False, cancel_futures=True)
         if self._labels is not None:
             self._labels.close()
 
@@ -291,14 +302,8 @@ class PluginManager:
                 batch.rescan |= event.rescan
                 batch.bdfs |= event.bdfs
                 batch.reasons.append(event.reason)
-            elif isinstance(event, AssignmentsSeen):
-                batch.assignments = event  # the newest List says it all
-            elif isinstance(event, AssignmentsUnavailable):
-                batch.assignments_unavailable = event.error
-            elif isinstance(event, DevicesAllocated):
-                batch.allocated.append(event)
-            elif isinstance(event, ResetFinished):
-                batch.resets_finished.append(event)
+            else:
+                batch.use.append(event)
         return batch
 
     def _refresh(self, batch: _Batch) -> None:
@@ -309,6 +314,7 @@ class PluginManager:
             self._inventory = refresh_host(self._root, self._inventory, batch.bdfs)
         self._scanned = build_device_tree(self._inventory, self._config, self._names, self._scanned)
         self._apply(self._published(), cause)
+        self._publish_labels()
 
     def _published(self) -> DeviceTree:
         return self._scanned if self._resets is None else self._resets.overlay(self._scanned)
@@ -317,21 +323,13 @@ class PluginManager:
         """Reset after use: fold in Allocates, finished resets and the newest List."""
         if self._resets is None or self._inventory is None:
             return
-        changed = False
-        for allocated in batch.allocated:
-            self._resets.allocated(allocated)
-        for finished in batch.resets_finished:
-            changed |= self._resets.finished(finished)
-        if batch.assignments_unavailable is not None and batch.assignments is None:
-            self._resets.unavailable(batch.assignments_unavailable)
-        if batch.assignments is not None:
-            changed |= self._resets.assignments(batch.assignments, self._scanned, self._inventory)
-        if changed:
+        if self._resets.fold(batch.use, self._scanned, self._inventory):
             self._apply(self._published(), "reset after use")
 
     def _on_allocated(self, resource: str, device_ids: tuple[str, ...]) -> None:
         """From a gRPC thread: note the allocation and ask the kubelet soon who holds what."""
-        self._events.put(DevicesAllocated(resource, device_ids))
+        if self._resets is not None:
+            self._resets.note_allocated(resource, device_ids)
         if self._poller is not None:
             self._poller.poke()
 
@@ -382,12 +380,14 @@ class PluginManager:
                 cause,
             )
             self._count_iommufd()
-        self._publish_labels()
 
     def _publish_labels(self) -> None:
         """The node labels follow the scanned tree (a device awaiting its reset still counts:
         the labels say what the node offers, the kubelet's capacity what is free)."""
         if self._labels is not None and self._inventory is not None:
+            # Loaded at the first labels, after the first registrations.
+            from hostdev.labels.node_labels import build_node_labels
+
             counts = self._scanned.iommufd_counts()
             self._labels.publish(build_node_labels(self._inventory.capabilities, counts))
 
@@ -412,21 +412,35 @@ class PluginManager:
         self._retry_delay = _RETRY_FIRST
         self._register_pending()
 
-    def _register_pending(self) -> None:
+    def _register_async(self, resource: str) -> Future[None]:
+        """Register `resource` in a thread: the kubelet dials back before it answers."""
+        server = self._servers[resource]
+        if not server.present:
+            server.restart(grace=0)
+        return self._registrar.submit(
+            register_with_kubelet,
+            self._kubelet_dir,
+            resource,
+            server.path.name,
+            server.servicer.options,
+        )
+
+    def _register_pending(self, under_way: dict[str, Future[None]] | None = None) -> None:
+        """Register every resource not registered yet, all at once; `under_way`: registrations
+        already started."""
         kubelet_socket = self._kubelet_dir / KUBELET_SOCKET
         if not kubelet_socket.exists():
             log.info("waiting for the kubelet socket=%s", kubelet_socket)
             # Its creation is an inotify event; the slow retry covers a watch that was lost.
             self._retry_at = time.monotonic() + _RETRY_MAX
             return
-        for resource in sorted(self._unregistered):
+        attempts = dict(under_way or {})
+        for resource in sorted(self._unregistered - attempts.keys()):
+            attempts[resource] = self._register_async(resource)
+        for resource, attempt in sorted(attempts.items()):
             server = self._servers[resource]
-            if not server.present:
-                server.restart(grace=0)
             try:
-                register_with_kubelet(
-                    self._kubelet_dir, resource, server.path.name, server.servicer.options
-                )
+                attempt.result()
             except RegistrationError as error:
                 log.warning("registration failed resource=%s error=%r", resource, str(error))
                 self._metrics.registration(resource, "failed")

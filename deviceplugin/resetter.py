@@ -1,6 +1,9 @@
 """The shell around deviceplugin.reset_policy: holds the reset state for the manager's thread,
 runs resets in a worker thread and reports them back as events, and logs every step. Each reset
-holds the node's binding lock (hostdev.binding.lock), so it never races a bind or unbind."""
+holds the node's binding lock (hostdev.binding.lock), so it never races a bind or unbind.
+
+The manager hands this module every event of reset after use without knowing their kinds: it is
+loaded only when a resource resets after use (the plugin registers without it)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deviceplugin.inventory import DeviceTree
-from deviceplugin.podresources_client import AssignmentsSeen
+from deviceplugin.podresources_client import AssignmentsSeen, AssignmentsUnavailable
 from deviceplugin.reset_policy import (
     Key,
     ResetState,
@@ -51,12 +54,16 @@ class ResetFinished:
     at: float
 
 
+UseEvent = AssignmentsSeen | AssignmentsUnavailable | DevicesAllocated | ResetFinished
+"""What the manager passes back to `ResetCoordinator.fold`."""
+
+
 class ResetCoordinator:
     def __init__(
         self,
         root: Path,
         writer: SysfsWriter,
-        emit: Callable[[ResetFinished], None],
+        emit: Callable[[DevicesAllocated | ResetFinished], None],
         clock: Callable[[], float],
         timing: ResetTiming | None = None,
     ) -> None:
@@ -71,6 +78,29 @@ class ResetCoordinator:
 
     def overlay(self, tree: DeviceTree) -> DeviceTree:
         return overlay_resets(tree, unhealthy_reasons(self._state))
+
+    def note_allocated(self, resource: str, device_ids: tuple[str, ...]) -> None:
+        """From a gRPC thread: post the Allocate, for `fold` on the manager's thread."""
+        self._emit(DevicesAllocated(resource, device_ids))
+
+    def fold(self, events: list[UseEvent], tree: DeviceTree, inventory: HostInventory) -> bool:
+        """Fold in a batch of events: Allocates, finished resets, then the newest List (or,
+        with none, the newest failure to get one); True when some device's health changed."""
+        changed = False
+        for event in events:
+            if isinstance(event, DevicesAllocated):
+                self.allocated(event)
+        for event in events:
+            if isinstance(event, ResetFinished):
+                changed |= self.finished(event)
+        lists = [e for e in events if isinstance(e, AssignmentsSeen)]
+        failures = [e for e in events if isinstance(e, AssignmentsUnavailable)]
+        seen = lists[-1] if lists else None  # the newest List says it all
+        if failures and seen is None:
+            self.unavailable(failures[-1].error)
+        if seen is not None:
+            changed |= self.assignments(seen, tree, inventory)
+        return changed
 
     def allocated(self, event: DevicesAllocated) -> None:
         self._state = observe_allocation(

@@ -4,8 +4,8 @@ messages and the core's values (deviceplugin.inventory, deviceplugin.allocation)
 from __future__ import annotations
 
 import logging
+import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from typing import NoReturn, Protocol
 
@@ -280,7 +280,7 @@ class IommufdServicer(_Streaming):
     ) -> api_pb2.ContainerAllocateResponse:
         """Prepare one container's fd and note its allocation in `prepared`; on failure
         withdraw every allocation in `prepared` and abort."""
-        allocation_id = uuid.uuid4().hex[:16]
+        allocation_id = os.urandom(8).hex()
         try:
             socket_path = self._handoff.prepare(allocation_id).host_path
         except (HandoffError, OSError) as error:

@@ -2,17 +2,21 @@
 `plugin` first serve a socket, neither the `kubernetes` client, urllib3 nor prometheus_client is
 imported (they cost most of a start: issue 22), and `dra` has loaded neither its configuration
 (YAML) nor what recovers, reads the host and prepares: its GetInfo comes from grpc and the
-stubs. The daemons run as processes, each through a wrapper that notes the heavy modules already
-imported whenever a gRPC socket starts serving."""
+stubs. `plugin` serves and registers each resource before loading what only comes after: the
+metrics server, reset after use (for resources without it), the node labels. The daemons run as
+processes, each through a wrapper that notes the heavy modules already imported whenever a gRPC
+socket starts serving."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +37,15 @@ DRA_LATER = (
     "dra.state",
     "dra.binding",
     "dra.publisher",
+)
+PLUGIN_LATER = (
+    "deviceplugin.resetter",
+    "deviceplugin.podresources_client",
+    "deviceplugin.reset_policy",
+    "hostdev.binding.reset",
+    "hostdev.binding.lock",
+    "hostdev.labels.node_labels",
+    "uuid",
 )
 WRAPPER = """
 import json, sys
@@ -159,6 +172,13 @@ def test_dra_without_an_api_server_configuration_still_stops_with_the_fix(
     assert left == []
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def test_device_plugin_registers_before_loading_metrics_or_the_api_client(
     scenario_root: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -170,12 +190,26 @@ def test_device_plugin_registers_before_loading_metrics_or_the_api_client(
         config.write_text(json.dumps({"deviceMode": "iommufd", "iommufd": iommufd}))
         kubelet = KubeletStandIn(base / "kubelet")
         kubelet.start()
+        port = free_port()
+
+        def started() -> bool:
+            return len(kubelet.registrations) >= 2 and serves(f"http://127.0.0.1:{port}/metrics")
+
         try:
             args = ["plugin", "--root", str(root), "--kubelet-dir", str(kubelet.directory)]
-            args += ["--config", str(config), "--log-level", "error"]
-            run_noted(notes, args, lambda: len(kubelet.registrations) >= 2)
+            args += ["--config", str(config), "--metrics-port", str(port), "--log-level", "error"]
+            run_noted(notes, args, started, HEAVY + PLUGIN_LATER)
         finally:
             kubelet.stop()
     served = read_notes(notes)
     assert len(served) == 2
     assert all(heavy == [] for _, heavy in served), served
+
+
+def serves(url: str) -> bool:
+    """The metrics answer: the plugin is past its start."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:  # noqa: S310 - our own loopback URL
+            return b"kubevirt_iommufd_registrations" in answer.read()
+    except OSError:
+        return False

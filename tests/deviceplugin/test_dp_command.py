@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,14 +18,20 @@ def plugin(*args: str) -> list[str]:
     return [sys.executable, "-m", "kubevirt_iommufd", "plugin", *args]
 
 
-def test_runs_registers_and_stops_on_sigterm(
-    build_host: BuildHost, short_dir: Path, tmp_path: Path
-) -> None:
-    root = build_host(hgx_h100())
+def write_config(tmp_path: Path, short_dir: Path) -> Path:
+    """Hand-off sockets in the short directory, owned by whoever runs the tests."""
     config = tmp_path / "config.yaml"
     config.write_text(
         f"iommufd:\n  socketDir: {short_dir / 'fds'}\n  socketOwner: {{uid: 0, gid: 0}}\n"
     )
+    return config
+
+
+def test_runs_registers_and_stops_on_sigterm(
+    build_host: BuildHost, short_dir: Path, tmp_path: Path
+) -> None:
+    root = build_host(hgx_h100())
+    config = write_config(tmp_path, short_dir)
     kubelet = KubeletStandIn(short_dir / "kubelet")
     kubelet.start()
     process = subprocess.Popen(
@@ -81,3 +88,38 @@ def test_missing_root_exits_2(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "--root" in done.stderr and "is not a directory" in done.stderr
+
+
+def test_metrics_port_taken_exits_1_with_the_port_and_removes_its_sockets(
+    build_host: BuildHost, short_dir: Path, tmp_path: Path
+) -> None:
+    """The metrics are served after the kubelet was told of the plugin: a port another process
+    holds stops the plugin with the port named, and takes its registered sockets back."""
+    root = build_host(hgx_h100())
+    config = write_config(tmp_path, short_dir)
+    kubelet = KubeletStandIn(short_dir / "kubelet")
+    kubelet.start()
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))  # noqa: S104 - where the plugin serves its metrics
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            done = subprocess.run(
+                plugin(
+                    *("--root", str(root), "--kubelet-dir", str(kubelet.directory)),
+                    *("--config", str(config), "--metrics-port", str(port)),
+                    *("--log-level", "error"),
+                ),
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+        finally:
+            kubelet.stop()
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"kubevirt-iommufd plugin: cannot serve metrics on port {port}: Address already in use\n"
+    )
+    assert len(kubelet.registrations) == 2
+    assert list(kubelet.directory.glob("kubevirt-iommufd-*")) == []

@@ -185,6 +185,8 @@ def test_a_hand_off_is_logged_with_allocation_socket_and_peer(
     path = handoff.prepare("logged").host_path
     os.close(receive_iommufd(path))
     wait_until(lambda: handoff.stats().served == 1)
+    # Counted, then logged: on a busy machine the line may come a moment after the count.
+    wait_until(lambda: any("served" in r.getMessage() for r in caplog.records))
     [line] = [r.getMessage() for r in caplog.records if "served" in r.getMessage()]
     assert f"allocation=logged socket={path} peer_pid={os.getpid()} uid=0" in line
 
