@@ -99,6 +99,9 @@ HOST_DRIVER = "uio_pci_generic"
 # log line here (0.3 s on the host), 82 s to a second instance's registration beside the first,
 # over 120 s to the first log line while other work loaded the host's 2 cores (load 8).
 START_TIMEOUT_S = 240.0
+# A rolling update's second instance registers only once ready, after it loaded the API client:
+# 80-150 s here, 240 s while the host's 2 cores ran a test suite beside the guest.
+READY_TIMEOUT_S = 420.0
 SETTLE_TIMEOUT_S = 20.0
 # The target for a health change to reach the kubelet's stream and the slice's taint under TCG
 # (issue 20). The taint goes through an HTTPS write by the kubernetes client, both ends in the
@@ -756,7 +759,7 @@ def _check_upgrade(run: Runner, edu: Edu, dra: DraRun, name: str) -> None:
             return registration is not None and Path(registration.endpoint) == paths[NEW_UID][0]
 
         try:
-            dra.kubelet.wait_for(calls_new, START_TIMEOUT_S, f"the kubelet calling {NEW_UID}")
+            dra.kubelet.wait_for(calls_new, READY_TIMEOUT_S, f"the kubelet calling {NEW_UID}")
         except TimeoutError as error:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
             raise CheckFailed(f"{error}\n{NEW_UID}'s log:\n{tail}") from None
