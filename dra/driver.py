@@ -396,7 +396,7 @@ class DraDriver:
         # A claim prepared or forgotten, or the interval passing, changes no counter: the
         # polls read them.
         periodic = all(e.reason == PERIODIC for e in host)
-        self._judge(devices, reprobed, report=True, counters=not periodic)
+        self._judge(devices, reprobed, report=True, counters=not periodic, checked=bool(host))
 
     def _poll_counters(self) -> None:
         """Between events: read the counters again, and judge when they moved or a device's
@@ -433,10 +433,12 @@ class DraDriver:
         *,
         report: bool,
         counters: bool | None = None,
+        checked: bool = True,
     ) -> None:
         """Judge every published device's health, log each change once and hand the list on:
         always after a reading of the host, after a counter reading only when it changed. The
-        counters are read first when `counters` (by default when `report`)."""
+        counters are read first when `counters` (by default when `report`); not `checked`: a
+        claim alone, no reading (see judge_health)."""
         if report if counters is None else counters:
             self._read_counters(devices)
         claims = {
@@ -457,14 +459,14 @@ class DraDriver:
             recorded=self._baselines,
         )
         before = self._health.health
-        self._health = judge_health(self._health, devices, signals, time.time())
+        self._health = judge_health(self._health, devices, signals, time.time(), checked=checked)
         self._record_baselines()
         self._record_published()
         bdfs = {d.name: d.bdf for d in devices} | {n: b for b, n in prepared.items()}
         for old, new in diff_health(before, self._health.health):
             if old is not None or new.health is not Health.HEALTHY:
                 _log_change(old, new, bdfs.get(new.device), claims)
-        if not report and same_health(before, self._health.health):
+        if (not report or not checked) and same_health(before, self._health.health):
             return
         # After every reading even when nothing changed: the kubelet takes a device whose health
         # no list repeated within the timeout for Unknown. The publisher writes in the background.
