@@ -182,12 +182,17 @@ class SlicePublisher:
         with self._woken:
             while not self._stop.is_set():
                 due = min(self._changed_at + self._coalesce, deadline)
-                if self._taints == self._written_taints and not self._seen:
+                if self._taints == self._written_taints and not self._others_wrote():
                     due = max(due, self._write_after)
                 now = time.monotonic()
                 if now >= due:
                     return
                 self._woken.wait(due - now)
+
+    def _others_wrote(self) -> bool:
+        """Whether a watch event not (yet) known as one of our writes came (hold the lock):
+        our own come back too, often before their answers."""
+        return any(kind == "DELETED" or rv not in self._ours for kind, _, rv in self._seen)
 
     def _reconcile(self) -> None:
         if self._owner is None:
