@@ -151,6 +151,8 @@ class DraDriver:
         """The devices as last written for the next instance (HostCache.remember)."""
         self._next_whole_read = 0.0
         """When the periodic re-scan may next read the whole host (see RESCAN_SHARE)."""
+        self._next_poll = 0.0
+        """When the error counters may next be read between events (see COUNTER_SHARE)."""
         self.host = HostCache(settings.root, config, names)
         self.store = ClaimStore(settings.state_dir)
         handoff = build_handoff_config(settings, config)
@@ -333,13 +335,12 @@ class DraDriver:
         interval = self.settings.rescan_interval
         poll = self.settings.aer_poll_interval
         next_rescan = time.monotonic() + interval
-        next_poll = time.monotonic() + poll
         # Claims prepared or forgotten, not yet handled: a burst of them is judged once.
         held: list[Event] = []
         held_first = held_last = 0.0
         while True:
             now = time.monotonic()
-            wait = min(next_rescan, next_poll) if poll > 0 else next_rescan
+            wait = min(next_rescan, self._next_poll) if poll > 0 else next_rescan
             if held:
                 wait = min(wait, held_last + CLAIMS_QUIET_SECONDS, held_first + CLAIMS_MAX_SECONDS)
             batch = _take(self._events, max(0.0, wait - now))
@@ -368,11 +369,8 @@ class DraDriver:
                 next_rescan = time.monotonic() + interval
             if batch:
                 self._handle(batch)
-            elif poll > 0 and time.monotonic() >= next_poll:
-                started = time.monotonic()
+            elif poll > 0 and time.monotonic() >= self._next_poll:
                 self._poll_counters()
-                took = time.monotonic() - started
-                next_poll = started + max(poll, took / COUNTER_SHARE)
 
     def _handle(self, batch: list[Event]) -> None:
         host = [e for e in batch if isinstance(e, DevicesChanged)]
@@ -399,7 +397,7 @@ class DraDriver:
         # A claim prepared or forgotten, or the interval passing, changes no counter: the
         # polls read them.
         periodic = all(e.reason == PERIODIC for e in host)
-        self._judge(devices, reprobed, report=True, counters=not periodic)
+        self._judge(devices, reprobed, report=True, counters=not periodic, checked=bool(host))
 
     def _poll_counters(self) -> None:
         """Between events: read the counters again, and judge when they moved or a device's
@@ -410,8 +408,14 @@ class DraDriver:
             self._judge(devices, frozenset(), report=False)
 
     def _read_counters(self, devices: Iterable[DraDevice]) -> dict[Bdf, AerCounts | None]:
+        """Read every device's counters; the next poll waits as COUNTER_SHARE says, from any
+        reading (the one before the first publication too, which took 0.3-0.5 s of a start on
+        4,096 functions, and was read again at once beside the first slices)."""
         before = self._aer
+        started = time.monotonic()
         self._aer = {d.bdf: read_aer_counts(self.settings.root, d.bdf) for d in devices}
+        took = time.monotonic() - started
+        self._next_poll = started + max(self.settings.aer_poll_interval, took / COUNTER_SHARE)
         for bdf, counts in self._aer.items():
             old = before.get(bdf)
             if counts is not None and old is not None and counts.nonfatal > old.nonfatal:
@@ -430,10 +434,12 @@ class DraDriver:
         *,
         report: bool,
         counters: bool | None = None,
+        checked: bool = True,
     ) -> None:
         """Judge every published device's health, log each change once and hand the list on:
         always after a reading of the host, after a counter reading only when it changed. The
-        counters are read first when `counters` (by default when `report`)."""
+        counters are read first when `counters` (by default when `report`); not `checked`: a
+        claim alone, no reading (see judge_health)."""
         if report if counters is None else counters:
             self._read_counters(devices)
         claims = {
@@ -454,14 +460,14 @@ class DraDriver:
             recorded=self._baselines,
         )
         before = self._health.health
-        self._health = judge_health(self._health, devices, signals, time.time())
+        self._health = judge_health(self._health, devices, signals, time.time(), checked=checked)
         self._record_baselines()
         self._record_published()
         bdfs = {d.name: d.bdf for d in devices} | {n: b for b, n in prepared.items()}
         for old, new in diff_health(before, self._health.health):
             if old is not None or new.health is not Health.HEALTHY:
                 _log_change(old, new, bdfs.get(new.device), claims)
-        if not report and same_health(before, self._health.health):
+        if (not report or not checked) and same_health(before, self._health.health):
             return
         # After every reading even when nothing changed: the kubelet takes a device whose health
         # no list repeated within the timeout for Unknown. The publisher writes in the background.
@@ -488,6 +494,14 @@ class DraDriver:
 
     def _record_baselines(self) -> None:
         baselines = build_baselines(self._health)
+        # The companions of a claim's device leave the pool while it holds their group, and
+        # come back with the baselines they had: an error meanwhile came after they were bound.
+        kept = {d.name for d in self.host.devices}
+        baselines |= {
+            name: baseline
+            for name, baseline in self._baselines.items()
+            if name in kept and name not in self._health.tracked
+        }
         if baselines == self._baselines:
             return
         self._baselines = baselines
@@ -501,7 +515,8 @@ class DraDriver:
     def _keep_hint(self, name: str, value: object, what: str, without: str) -> None:
         """Write a hint for whichever instance starts next (read back by `_read_json`); a
         failure is logged with what the next instance does without it."""
-        data = json.dumps(value, indent=1).encode()
+        # Unindented: json's C encoder, a third of the time on 4,096 devices.
+        data = json.dumps(value, separators=(",", ":")).encode()
         try:
             write_file_atomically(
                 self.settings.state_dir / name, data, 0o600, directory_mode=RECORDS_MODE

@@ -15,7 +15,7 @@ import kubernetes.client
 import pytest
 
 from dra.api import ResourceApi
-from dra.driver import DraDriver
+from dra.driver import BASELINES_FILE, DraDriver
 from dra.health import DeviceHealth, Health
 from dra_kit import DRIVER, NODE, driver_settings, short_directory
 from hostdev.config import Binding, PluginConfig, ResourceConfig, Selectors, default_config
@@ -30,6 +30,7 @@ from sim.host import (
     nvidia_driver,
     remove_function,
     report_aer_error,
+    scale,
     unbind_driver,
 )
 
@@ -214,6 +215,38 @@ def test_a_prepared_device_gone_from_the_bus_is_unhealthy_naming_its_claim(
         )
         # The claim is kept: the VM decides.
         assert node.driver.store.get(uid) is not None
+
+
+def test_a_group_companion_keeps_its_fatal_baseline_while_a_claim_holds_its_group(
+    start: Callable[..., Node], apiserver: ApiServerStandIn
+) -> None:
+    """A claim takes its device's group companions out of the pool; one that had a fatal error
+    meanwhile comes back unhealthy, as the error came after it was bound. Holding the group
+    leaves the baselines kept for the next start as they were (on 4,096 functions a rewrite of
+    them was most of the event thread's work after each claim)."""
+    node = start(scale(16))
+    claimed, companion = "pci-0000-01-00-0", "0000:01:00.1"
+    baselines = node.base / "state" / BASELINES_FILE
+    written = baselines.stat().st_ino
+    apiserver.put_claim(build_resource_claim("vms", "vm-gpu", ["gpu"], DRIVER))
+    stored = apiserver.set_allocation(
+        "vms", "vm-gpu", [AllocatedDevice("gpu", DRIVER, NODE, claimed)], NODE
+    )
+    claim = Claim("vms", stored["metadata"]["uid"], "vm-gpu")
+    with DRAKubeletStandIn(node.base / "kubelet", info_poll_interval=None) as kubelet:
+        kubelet.wait_registered(DRIVER)
+        assert kubelet.node_prepare_resources([claim])[claim.uid].error == ""
+        hidden = len(node.reports)
+        deadline = time.monotonic() + 2
+        while node.health("pci-0000-01-00-1") is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert node.health("pci-0000-01-00-1") is None
+        assert len(node.reports) > hidden
+        report_aer_error(node.root, companion, fatal=True)
+        assert kubelet.node_unprepare_resources([claim]) == {claim.uid: ""}
+    back = node.wait("pci-0000-01-00-1", Health.UNHEALTHY, "shown again", timeout=2.0)
+    assert back.message.startswith("1 fatal PCIe error (AER) since it was bound to vfio-pci")
+    assert baselines.stat().st_ino == written
 
 
 def test_the_health_list_is_handed_on_at_every_rescan(

@@ -56,7 +56,10 @@ class Step:
     recorded: Baseline | None = None
 
 
-def run(steps: list[Step]) -> tuple[Health, str]:
+def run(steps: list[Step], *, again: bool = False) -> tuple[Health, str]:
+    """The verdict after the steps; `again`: each step judged a second time from the same
+    inputs (a device copied, as a new reading of it is), and once more as after a claim alone,
+    with the host not read."""
     state = HealthState()
     for step in steps:
         signals = HostSignals(
@@ -67,6 +70,13 @@ def run(steps: list[Step]) -> tuple[Health, str]:
             recorded={NAME: step.recorded} if step.recorded else {},
         )
         state = judge_health(state, (step.device,), signals, step.at)
+        if again:
+            # A re-probe is one event: the judgements after it do not see it again.
+            signals = replace(signals, reprobed=frozenset())
+            state = judge_health(state, (replace(step.device),), signals, step.at)
+            verdict = state.health
+            state = judge_health(state, (step.device,), signals, step.at, checked=False)
+            assert state.health == verdict
     (last,) = state.health
     assert last.device == NAME and last.checked_at == steps[-1].at
     return last.health, last.message
@@ -199,6 +209,26 @@ def test_judgement(steps: list[Step], health: Health, message: str) -> None:
     judged, said = run(steps)
     assert judged is health
     assert message in said if message else said == ""
+
+
+@pytest.mark.parametrize(("steps", "health", "message"), CASES.values(), ids=CASES.keys())
+def test_a_device_judged_again_from_the_same_inputs_has_the_same_verdict(
+    steps: list[Step], health: Health, message: str
+) -> None:
+    assert run(steps, again=True) == run(steps)
+
+
+def test_after_a_claim_alone_only_the_devices_it_concerns_are_judged_again() -> None:
+    other = replace(gpu(), name="pci-0000-2a-00-0", bdf=Bdf.parse("0000:2a:00.0"))
+    first = judge_health(HealthState(), (gpu(), other), HostSignals(), 1.0)
+    claimed = HostSignals(claims={BDF: CLAIM}, bound_for_claims=frozenset({BDF}))
+    after = judge_health(first, (gpu(), other), claimed, 2.0, checked=False)
+    assert after.health[1] is first.health[1]
+    assert after.health[0].checked_at == 2.0 and after.health[0].health is Health.HEALTHY
+    lost = judge_health(after, (ON_HOST_DRIVER, other), claimed, 3.0)
+    assert lost.health[0].health is Health.UNHEALTHY
+    assert lost.health[0].message.startswith(f"bound to VFIO for {CLAIM}, now on nvidia")
+    assert [h.checked_at for h in lost.health] == [3.0, 3.0]
 
 
 def test_a_prepared_device_gone_from_the_bus_stays_in_the_list_naming_its_claim() -> None:

@@ -285,3 +285,42 @@ def test_a_burst_of_changes_is_published_once_without_listing_our_own_writes(
     ]
     # Our writes coming back through the watch (even before their answers) are known as ours.
     assert lists == []
+
+
+class SlowApi(ResourceApi):
+    """An API server that takes `seconds` for every slice it is sent (loaded, or far away)."""
+
+    seconds = 0.2
+
+    def create_slice(self, item: Object) -> Object:
+        time.sleep(self.seconds)
+        return super().create_slice(item)
+
+    def replace_slice(self, item: Object) -> Object:
+        time.sleep(self.seconds)
+        return super().replace_slice(item)
+
+
+def test_a_slow_api_server_gets_a_change_of_devices_later_and_one_of_taints_at_once(
+    apiserver: ApiServerStandIn,
+    api_client: kubernetes.client.ApiClient,
+    publishers: list[SlicePublisher],
+) -> None:
+    """A write of the pool that took 0.2 s makes a change of the devices alone (a claim's group
+    companions leaving it) wait 2 s, past the coalescing's 1 s, so the pool is written at most
+    a tenth of the time; a device turned unhealthy is tainted without waiting."""
+    apiserver.put_node(NODE)
+    publisher = started(SlowApi(api_client), verdicts())
+    publishers.append(publisher)
+    assert apiserver.wait_until(lambda: generations(apiserver) == {1})
+    first = time.monotonic()
+    publisher.update(POOL[1:], verdicts())
+    time.sleep(1.3)
+    assert generations(apiserver) == {1}
+    assert apiserver.wait_until(lambda: generations(apiserver) == {2}, timeout=5.0)
+    assert time.monotonic() - first >= 1.7
+    start = time.monotonic()
+    publisher.update(POOL[1:], verdicts(2))
+    assert apiserver.wait_until(lambda: bool(held_taints(apiserver)))
+    assert time.monotonic() - start < 1.0
+    assert set(held_taints(apiserver)) == {NAMES[2]}
