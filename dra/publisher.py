@@ -57,6 +57,9 @@ server that takes 1.5 s for them, prepares and unprepares in a row rewrote it ev
 claim GETs of the prepares beside the writes waited for that server (a prepare's p99 was 330 ms
 against a p50 of 13). Against one that takes 0.1 s it changes nothing: COALESCE_MAX_SECONDS
 comes first."""
+WRITE_WAIT_MAX_SECONDS = 10.0
+"""WRITE_SHARE's wait is never longer: one write slowed by a hiccup of the API server (30 s)
+must not keep a device gone or back from the scheduler for ten times as long."""
 WRITERS = 4
 """Slices written at once: the API client's pool keeps more connections than this (the claim
 GETs of prepares use the others)."""
@@ -220,7 +223,8 @@ class SlicePublisher:
         if not plan.empty:
             started = time.monotonic()
             dropped = self._apply(plan)
-            self._write_after = started + (time.monotonic() - started) / WRITE_SHARE
+            took = time.monotonic() - started
+            self._write_after = started + min(took / WRITE_SHARE, WRITE_WAIT_MAX_SECONDS)
             if dropped:
                 self._dropped = taints
                 log.warning(

@@ -17,6 +17,7 @@ time, which a power loss ends too: it is made or touched, without a sync.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -326,7 +327,7 @@ class ClaimStore:
         prepare must not go on. Marks older than an hour, far longer than any read may take, are
         removed (looked for once a minute)."""
         try:
-            _touch_later(self._unprepared / uid)
+            _append_mark(self._unprepared / uid)
             if time.monotonic() - self._marks_pruned >= _MARKS_PRUNED_EVERY_SECONDS:
                 self._marks_pruned = time.monotonic()
                 cutoff = time.time() - _MARKS_KEPT_SECONDS
@@ -338,15 +339,15 @@ class ClaimStore:
             ) from error
 
     def unprepared_mark(self, uid: str) -> tuple[int, int] | None:
-        """Changes whenever the claim is unprepared: the file appears, or its modification time
-        is set later than it was (`_touch_later`)."""
+        """Changes whenever the claim is unprepared: the file appears, or grows by a byte
+        (`_append_mark`)."""
         try:
             info = (self._unprepared / uid).lstat()
         except FileNotFoundError:
             return None
         except OSError as error:
             raise StateError(f"cannot read {self._unprepared / uid}: {error.strerror}") from error
-        return info.st_ino, info.st_mtime_ns
+        return info.st_ino, info.st_size
 
     def follow(self, changed: Callable[[], None], stop: threading.Event, interval: float) -> None:
         """Until `stop`, refresh every `interval` seconds and call `changed` when another
@@ -364,18 +365,24 @@ class ClaimStore:
                     log.error("re-reading the prepared claims failed: %s", error)
 
 
-def _touch_later(mark: Path) -> None:
-    """Make `mark`, or set its modification time later than it was, whatever the clock's
-    granularity: one file made and no rename (a mark needs no content and no sync)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+def _append_mark(mark: Path) -> None:
+    """Make `mark`, or make it a byte longer: a change no clock can hide (a filesystem that keeps
+    whole seconds rounds a time set on it back to the one it had), in one file made and no rename
+    (a mark needs no sync). O_NONBLOCK: a FIFO planted there must not hang the unprepare."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(mark, flags, 0o600)
     except FileNotFoundError:
         make_directories(mark.parent, RECORDS_MODE)
         fd = os.open(mark, flags, 0o600)
+    except OSError as error:
+        if error.errno != errno.ENXIO:  # a FIFO with no reader
+            raise
+        raise OSError(errno.EINVAL, "not a regular file") from None
     try:
-        later = max(time.time_ns(), os.fstat(fd).st_mtime_ns + 1)
-        os.utime(fd, ns=(later, later))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.write(fd, b"\n")
     finally:
         os.close(fd)
 

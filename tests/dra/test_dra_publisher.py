@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 import kubernetes.client
 import pytest
 
+import dra.publisher
 from dra.api import ResourceApi
 from dra.health import DeviceHealth, Health
 from dra.publisher import SlicePublisher
@@ -324,3 +325,24 @@ def test_a_slow_api_server_gets_a_change_of_devices_later_and_one_of_taints_at_o
     assert apiserver.wait_until(lambda: bool(held_taints(apiserver)))
     assert time.monotonic() - start < 1.0
     assert set(held_taints(apiserver)) == {NAMES[2]}
+
+
+def test_the_wait_after_a_slow_write_has_a_ceiling(
+    apiserver: ApiServerStandIn,
+    api_client: kubernetes.client.ApiClient,
+    publishers: list[SlicePublisher],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One write slowed by a hiccup of the API server must not hold the next change of the
+    devices for ten times as long: a device gone or back reaches the scheduler within
+    WRITE_WAIT_MAX_SECONDS."""
+    monkeypatch.setattr(dra.publisher, "WRITE_WAIT_MAX_SECONDS", 1.2)
+    monkeypatch.setattr(SlowApi, "seconds", 0.4)
+    apiserver.put_node(NODE)
+    publisher = started(SlowApi(api_client), verdicts())
+    publishers.append(publisher)
+    assert apiserver.wait_until(lambda: generations(apiserver) == {1})
+    first = time.monotonic()
+    publisher.update(POOL[1:], verdicts())
+    assert apiserver.wait_until(lambda: generations(apiserver) == {2}, timeout=5.0)
+    assert time.monotonic() - first < 2.5

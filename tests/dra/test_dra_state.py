@@ -231,3 +231,32 @@ def test_each_unprepare_changes_the_mark_even_within_one_tick_of_the_clock(
     assert None is not first != second is not None
     assert oct((tmp_path / "unprepared").stat().st_mode & 0o777) == "0o700"
     assert oct((tmp_path / "unprepared" / "claim").stat().st_mode & 0o777) == "0o600"
+
+
+def test_each_unprepare_changes_the_mark_on_a_filesystem_with_coarse_timestamps(
+    tmp_path: Path,
+) -> None:
+    """ext4 with 128-byte inodes, vfat and some NFS exports keep whole (or 2) seconds: the kernel
+    rounds a time set on the mark down to that, so a mark told apart by its time alone would not
+    change. Here each time is put back as such a filesystem would keep it."""
+    store = ClaimStore(tmp_path)
+    store.load()
+    mark = tmp_path / "unprepared" / "claim"
+    store.mark_unprepared("claim")
+    kept = mark.stat().st_mtime_ns // 1_000_000_000 * 1_000_000_000
+    os.utime(mark, ns=(kept, kept))
+    first = store.unprepared_mark("claim")
+    store.mark_unprepared("claim")
+    os.utime(mark, ns=(kept, kept))
+    second = store.unprepared_mark("claim")
+    assert None is not first != second is not None
+
+
+def test_a_fifo_planted_as_the_mark_does_not_hang_the_unprepare(tmp_path: Path) -> None:
+    """Opening a FIFO for writing waits for a reader, with the serialize lock held."""
+    store = ClaimStore(tmp_path)
+    store.load()
+    store.mark_unprepared("other")
+    os.mkfifo(tmp_path / "unprepared" / "claim")
+    with pytest.raises(StateError, match="not a regular file"):
+        store.mark_unprepared("claim")
