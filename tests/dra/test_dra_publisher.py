@@ -302,6 +302,22 @@ class SlowApi(ResourceApi):
         return super().replace_slice(item)
 
 
+def slow_pool_changed(
+    apiserver: ApiServerStandIn,
+    api_client: kubernetes.client.ApiClient,
+    publishers: list[SlicePublisher],
+) -> tuple[SlicePublisher, float]:
+    """A publisher on a slow API server, its pool published, then a change of the devices alone
+    handed to it: the publisher and when."""
+    apiserver.put_node(NODE)
+    publisher = started(SlowApi(api_client), verdicts())
+    publishers.append(publisher)
+    assert apiserver.wait_until(lambda: generations(apiserver) == {1})
+    first = time.monotonic()
+    publisher.update(POOL[1:], verdicts())
+    return publisher, first
+
+
 def test_a_slow_api_server_gets_a_change_of_devices_later_and_one_of_taints_at_once(
     apiserver: ApiServerStandIn,
     api_client: kubernetes.client.ApiClient,
@@ -310,12 +326,7 @@ def test_a_slow_api_server_gets_a_change_of_devices_later_and_one_of_taints_at_o
     """A write of the pool that took 0.2 s makes a change of the devices alone (a claim's group
     companions leaving it) wait 2 s, past the coalescing's 1 s, so the pool is written at most
     a tenth of the time; a device turned unhealthy is tainted without waiting."""
-    apiserver.put_node(NODE)
-    publisher = started(SlowApi(api_client), verdicts())
-    publishers.append(publisher)
-    assert apiserver.wait_until(lambda: generations(apiserver) == {1})
-    first = time.monotonic()
-    publisher.update(POOL[1:], verdicts())
+    publisher, first = slow_pool_changed(apiserver, api_client, publishers)
     time.sleep(1.3)
     assert generations(apiserver) == {1}
     assert apiserver.wait_until(lambda: generations(apiserver) == {2}, timeout=5.0)
@@ -338,11 +349,6 @@ def test_the_wait_after_a_slow_write_has_a_ceiling(
     WRITE_WAIT_MAX_SECONDS."""
     monkeypatch.setattr(dra.publisher, "WRITE_WAIT_MAX_SECONDS", 1.2)
     monkeypatch.setattr(SlowApi, "seconds", 0.4)
-    apiserver.put_node(NODE)
-    publisher = started(SlowApi(api_client), verdicts())
-    publishers.append(publisher)
-    assert apiserver.wait_until(lambda: generations(apiserver) == {1})
-    first = time.monotonic()
-    publisher.update(POOL[1:], verdicts())
+    _, first = slow_pool_changed(apiserver, api_client, publishers)
     assert apiserver.wait_until(lambda: generations(apiserver) == {2}, timeout=5.0)
     assert time.monotonic() - first < 2.5
