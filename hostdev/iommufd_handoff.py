@@ -50,6 +50,8 @@ from hostdev.unix_socket import MAX_SOCKET_PATH, bind_unix_socket_path
 log = logging.getLogger(__name__)
 
 CONTAINER_SOCKET_PATH = "/var/run/kubevirt/iommufd.sock"
+LAUNCHER_PUBLIC_DIR = "/var/run/kubevirt"
+"""KubeVirt's "public" emptyDir in the launcher pod, which holds the socket's mount point."""
 SELINUX_LABEL = b"system_u:object_r:container_file_t:s0"
 QEMU_UID = QEMU_GID = 107
 _PAYLOAD = b"\x00"

@@ -14,6 +14,7 @@ from lxml import etree
 
 from hostdev.bdf import Bdf
 from hostdev.iommufd_handoff import CONTAINER_SOCKET_PATH
+from hostdev.iommufd_handoff import LAUNCHER_PUBLIC_DIR as PUBLIC_DIR
 from hostdev.naming import pci_resource_env
 from hostdev.scan import scan_host
 from kubevirt_iommufd.demo_checks import Checks, eventually
@@ -24,8 +25,6 @@ from kubevirt_iommufd.demo_templates import build_domain
 from sim.container_runtime import ContainerEdits, Mount, UnresolvedDevice, apply_cdi_devices
 
 Object = dict[str, Any]
-PUBLIC_DIR = "/var/run/kubevirt"
-"""KubeVirt's "public" emptyDir in the launcher pod, where the socket is mounted."""
 
 
 @dataclass(frozen=True, slots=True)

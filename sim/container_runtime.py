@@ -67,8 +67,12 @@ def apply_cdi_devices(
                 Mount(m["containerPath"], m["hostPath"], tuple(m.get("options", [])))
                 for m in edit.get("mounts", [])
             ]
-    mounts.sort(key=lambda m: posixpath.normpath(m.container_path).count("/"))
-    return ContainerEdits(env, tuple(nodes), tuple(mounts))
+    return ContainerEdits(env, tuple(nodes), in_runtime_order(mounts))
+
+
+def in_runtime_order(mounts: Iterable[Mount]) -> tuple[Mount, ...]:
+    """A container's mounts as the runtime mounts them: stably by the depth of the destination."""
+    return tuple(sorted(mounts, key=lambda m: posixpath.normpath(m.container_path).count("/")))
 
 
 def _resolve(by_kind: dict[str, list[Object]], cdi_id: str) -> tuple[Object, Object]:

@@ -33,7 +33,6 @@ import contextlib
 import itertools
 import json
 import os
-import posixpath
 import select
 import stat
 import subprocess
@@ -48,10 +47,10 @@ from libvirt12 import argv_copy
 from lxml import etree
 
 from hostdev.iommufd_handoff import CONTAINER_SOCKET_PATH, QEMU_GID, QEMU_UID
-from sim.container_runtime import ContainerEdits, Mount, apply_cdi_devices
+from hostdev.iommufd_handoff import LAUNCHER_PUBLIC_DIR as PUBLIC_DIR
+from sim.container_runtime import ContainerEdits, Mount, apply_cdi_devices, in_runtime_order
 
 EMBED_ROOT = "/var/lib/kubevirt-iommufd-embed"
-PUBLIC_DIR = "/var/run/kubevirt"
 QEMU_BINARY = "/usr/bin/qemu-system-x86_64"
 FD_GROUP = "iommu"
 DOMAIN_NAME = "default_vmi-edu"
@@ -93,8 +92,7 @@ def edits_from_allocate(responses: Sequence[object], pod_mounts: Sequence[Mount]
                 nodes.append(device.host_path)
             env.update(container.envs)
             mounts += [Mount(m.container_path, m.host_path) for m in container.mounts]
-    mounts.sort(key=lambda m: posixpath.normpath(m.container_path).count("/"))
-    return ContainerEdits(env, tuple(dict.fromkeys(nodes)), tuple(mounts))
+    return ContainerEdits(env, tuple(dict.fromkeys(nodes)), in_runtime_order(mounts))
 
 
 def edits_from_cdi(
