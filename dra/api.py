@@ -1,13 +1,13 @@
 """The few API calls the driver makes, with answers as plain JSON objects and failures as errors
 that say what to do.
 
-Requests are built and authenticated by the official `kubernetes` client and sent through its
-connection pool; `api_http` reads the answers, each call under an overall deadline and a cap on
-its size. The driver works on the objects' JSON shape, which the API defines, rather than the
-client's generated classes.
+Calls go through a `KubeConnection` (`hostdev.labels.kube_connection`: the URL, the pool, the
+authentication, from the service account or a kubeconfig); `api_http` sends them and reads the
+answers, each call under an overall deadline and a cap on its size. The driver works on the
+objects' JSON shape, which the API defines, rather than the official client's generated classes.
 
-The client and the HTTP stack (`kubernetes`, urllib3: most of a start's imports) load with the
-first call, not with this module: the driver answers the kubelet before any of it is needed.
+The connection and the HTTP stack (urllib3) load with the first call, not with this module: the
+driver answers the kubelet before any of it is needed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from dra.api_types import ApiError, MiB, Object
 
 if TYPE_CHECKING:
     from kubernetes import client
+
+    from hostdev.labels.kube_connection import KubeConnection
 
 __all__ = ["ApiError", "ResourceApi"]
 CALL_SECONDS = 10.0
@@ -43,35 +45,38 @@ RESOURCE = "/apis/resource.k8s.io/v1"
 
 
 class ResourceApi:
-    """Nodes, ResourceClaims and ResourceSlices, as the driver needs them, through `api_client`
-    or, made with `loading`, through the client its loader makes at the first call."""
+    """Nodes, ResourceClaims and ResourceSlices, as the driver needs them, through `connection`
+    or, made with `loading`, through the connection its loader makes at the first call."""
 
     def __init__(
-        self, api_client: client.ApiClient | None = None, *, call_seconds: float = CALL_SECONDS
+        self,
+        connection: KubeConnection | client.ApiClient | None = None,
+        *,
+        call_seconds: float = CALL_SECONDS,
     ) -> None:
-        self._client = None if api_client is None else _with_deadlines(api_client)
-        self._loader: Callable[[], client.ApiClient] | None = None
+        self._connection = None if connection is None else _with_deadlines(connection)
+        self._loader: Callable[[], KubeConnection] | None = None
         self._lock = threading.Lock()
         self._seconds = call_seconds
 
     @classmethod
     def loading(
-        cls, loader: Callable[[], client.ApiClient], *, call_seconds: float = CALL_SECONDS
+        cls, loader: Callable[[], KubeConnection], *, call_seconds: float = CALL_SECONDS
     ) -> ResourceApi:
-        """Calls through the client `loader` makes when first needed (by `load` or a call)."""
+        """Calls through the connection `loader` makes when first needed (by `load` or a call)."""
         api = cls(call_seconds=call_seconds)
         api._loader = loader
         return api
 
-    def load(self) -> client.ApiClient:
-        """The client, made now if it was not yet; the loader's error if it cannot be made (a
-        call gets that error as an ApiError)."""
+    def load(self) -> KubeConnection:
+        """The connection, made now if it was not yet; the loader's error if it cannot be made
+        (a call gets that error as an ApiError)."""
         with self._lock:
-            if self._client is None:
+            if self._connection is None:
                 if self._loader is None:
-                    raise ValueError("a ResourceApi needs an API client or a loader")
-                self._client = _with_deadlines(self._loader())
-            return self._client
+                    raise ValueError("a ResourceApi needs a connection or a loader")
+                self._connection = _with_deadlines(self._loader())
+            return self._connection
 
     def read_node_uid(self, name: str) -> str:
         what = f"get node {name}"
@@ -144,7 +149,7 @@ class ResourceApi:
         from dra.api_http import parse_event, query_of, stream_lines
 
         what = "watch resourceslices"
-        api_client = self._loaded(what)
+        connection = self._loaded(what)
         query = query_of(
             {
                 "fieldSelector": _slice_selector(node, driver),
@@ -155,7 +160,7 @@ class ResourceApi:
             }
         )
         for line in stream_lines(
-            api_client,
+            connection,
             what,
             f"{RESOURCE}/resourceslices",
             seconds=timeout_seconds + WATCH_GRACE_SECONDS,
@@ -188,19 +193,25 @@ class ResourceApi:
             body=body,
         )
 
-    def _loaded(self, what: str) -> client.ApiClient:
+    def _loaded(self, what: str) -> KubeConnection:
+        from hostdev.labels.kube_connection import ApiConfigError
+
         try:
             return self.load()
-        # The client's config loaders raise many kinds of error for a bad or missing kubeconfig.
-        except Exception as error:
+        except ApiConfigError as error:
             raise ApiError(f"{what}: no API server configuration: {error}") from error
 
 
-def _with_deadlines(api_client: client.ApiClient) -> client.ApiClient:
+def _with_deadlines(connection: KubeConnection | client.ApiClient) -> KubeConnection:
+    """The connection, its pool's connections cut at each call's deadline; an official client
+    (tests', the demo's) as a connection through its configuration and pool."""
     from dra.api_http import install_deadlines
+    from hostdev.labels.kube_connection import KubeConnection, connection_of
 
-    install_deadlines(api_client)
-    return api_client
+    if not isinstance(connection, KubeConnection):
+        connection = connection_of(connection)
+    install_deadlines(connection.pool)
+    return connection
 
 
 def _slice_selector(node: str, driver: str) -> str:

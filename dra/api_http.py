@@ -1,14 +1,13 @@
-"""One API call as HTTP, under an overall deadline and a cap on what is read: the official
-`kubernetes` client builds the request (URL, query, auth headers) and lends its connection pool;
-the response is read here.
+"""One API call as HTTP, under an overall deadline and a cap on what is read, through a
+`KubeConnection` (`hostdev.labels.kube_connection`: the server's URL, a urllib3 pool, the
+headers that authenticate).
 
-The client's own `_request_timeout` is per socket operation (urllib3 `Timeout`, `total`
-included, bounds each read, not the call): a server that sends one byte every 2 s never trips a
-15 s read timeout, in the TLS handshake, the headers or the body. So every call has a deadline,
-and a timer cuts the call's connection when it passes: the pool makes its connections here
-(`install_deadlines`), each with a second descriptor of its TCP socket that the timer shuts down,
-which ends any read or write on it at once, TLS handshake included. The client's generated methods
-also read a whole error body into memory; reading here stops at a cap instead.
+urllib3's timeouts are per socket operation (`Timeout`, `total` included, bounds each read, not
+the call): a server that sends one byte every 2 s never trips a 15 s read timeout, in the TLS
+handshake, the headers or the body. So every call has a deadline, and a timer cuts the call's
+connection when it passes: the pool makes its connections here (`install_deadlines`), each with
+a second descriptor of its TCP socket that the timer shuts down, which ends any read or write on
+it at once, TLS handshake included. The body is read here, and reading stops at a cap.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlencode
 
 import urllib3
 from urllib3.connection import HTTPConnection, HTTPSConnection
@@ -34,12 +34,13 @@ from dra.api_types import ApiError, MiB, Object
 from hostdev.untrusted import quote_untrusted
 
 if TYPE_CHECKING:
-    from kubernetes import client
+    from hostdev.labels.kube_connection import KubeConnection
 
 READ_SIZE = 64 * 1024
 CONNECT_SECONDS = 5.0
 # A GET that answered 503 with Retry-After is not retried here: urllib3 would sleep as long as the
 # server says, past any deadline. The caller's retry (the kubelet's, the publisher's backoff) is.
+JSON_HEADERS = {"Accept": "application/json", "Content-Type": "application/json"}
 RETRIES = urllib3.Retry(total=2, redirect=0, status=0, respect_retry_after_header=False)
 
 
@@ -215,17 +216,17 @@ class _HTTPSPool(HTTPSConnectionPool):
     ConnectionCls = _CuttableHTTPSConnection
 
 
-def install_deadlines(api_client: client.ApiClient) -> None:
-    """Make the client's pool open connections a deadline can cut. A SOCKS proxy's pools are
-    left alone: there, a deadline is checked between reads only."""
-    manager = api_client.rest_client.pool_manager
+def install_deadlines(manager: urllib3.PoolManager) -> None:
+    """Make the pool open connections a deadline can cut. A SOCKS proxy's pools (the official
+    client's, for a socks5:// proxy) are left alone: there, a deadline is checked between reads
+    only."""
     if type(manager) in (urllib3.PoolManager, urllib3.ProxyManager):
         manager.clear()
         manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
 
 
 def call(
-    api_client: client.ApiClient,
+    connection: KubeConnection,
     what: str,
     method: str,
     path: str,
@@ -240,7 +241,7 @@ def call(
     deadline = Deadline(seconds)
     deadline.start()
     try:
-        response = _open(api_client, what, method, path, query, body, deadline)
+        response = _open(connection, what, method, path, query, body, deadline)
         with _released(response):
             data = _read_body(response, what, limit, deadline)
         if not 200 <= response.status <= 299:
@@ -251,7 +252,7 @@ def call(
 
 
 def stream_lines(
-    api_client: client.ApiClient,
+    connection: KubeConnection,
     what: str,
     path: str,
     *,
@@ -264,7 +265,7 @@ def stream_lines(
     deadline = Deadline(seconds)
     deadline.start()
     try:
-        response = _open(api_client, what, "GET", path, query, None, deadline)
+        response = _open(connection, what, "GET", path, query, None, deadline)
         with _released(response):
             if not 200 <= response.status <= 299:
                 raise _status_error(
@@ -284,7 +285,7 @@ def stream_lines(
 
 
 def _open(
-    api_client: client.ApiClient,
+    connection: KubeConnection,
     what: str,
     method: str,
     path: str,
@@ -292,18 +293,15 @@ def _open(
     body: Object | None,
     deadline: Deadline,
 ) -> BaseHTTPResponse:
-    _, url, headers, _, _ = api_client.param_serialize(
-        method=method,
-        resource_path=path,
-        query_params=list(query),
-        header_params={"Accept": "application/json", "Content-Type": "application/json"},
-        auth_settings=["BearerToken"],
-    )
+    url = connection.server + path
+    if query:
+        url += "?" + urlencode(query, quote_via=quote)
+    headers = {**JSON_HEADERS, **connection.headers()}
     remaining = deadline.remaining()
     timeout = urllib3.Timeout(connect=min(CONNECT_SECONDS, remaining), read=remaining)
     try:
         with _deadline_of_this_thread(deadline):
-            return api_client.rest_client.pool_manager.request(
+            return connection.pool.request(
                 method,
                 url,
                 body=json.dumps(body) if body is not None else None,

@@ -9,9 +9,10 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dra.health import TaintEffect
 from hostdev.labels.publisher import add_label_arguments
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from dra.api import ResourceApi
     from dra.driver import DraDriver
     from dra.kubelet_sockets import KubeletFront
+    from hostdev.labels.kube_connection import KubeConnection
     from hostdev.labels.node_patch import NodeLabeler
 
 log = logging.getLogger("dra")
@@ -135,10 +137,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     # The node's only instance is seen by the kubelet first: its sockets are served from grpc and
     # the protocol stubs alone (dra.kubelet_sockets), then the rest loads, recovers, reads the
-    # host and publishes, while prepares wait. The API client (`kubernetes`, most of a start's
-    # imports) loads last. An instance of a rolling update registers only once ready, the other
-    # instance answering the kubelet until then: it loads the API client, which its first prepare
-    # needs, before it starts, and registers after recovery (KubeletFront.ready).
+    # host and publishes, while prepares wait. The API connection (urllib3) loads last. An
+    # instance of a rolling update registers only once ready, the other instance answering the
+    # kubelet until then: it loads the connection, which its first prepare needs, before it
+    # starts, and registers after recovery (KubeletFront.ready).
     from dra.api import ResourceApi
     from dra.kubelet_sockets import build_kubelet_front
 
@@ -151,11 +153,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"kubevirt-iommufd dra: {problem}", file=sys.stderr)
         return 2
-    api = ResourceApi.loading(lambda: _load_api_client(args.kubeconfig))
-    # Labelling the node needs the client at once, and an instance of a rolling update before it
+    api = ResourceApi.loading(lambda: _load_connection(args.kubeconfig))
+    # Labelling the node needs the API at once, and an instance of a rolling update before it
     # registers; the only instance loads it after the kubelet is served.
     api_first = args.label_node or bool(args.instance_uid)
-    if api_first and not _api_client_loaded(api):
+    if api_first and not _api_loaded(api.load):
         return 2
     stopping = threading.Event()
 
@@ -185,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         front.sockets.stop()
         print(f"kubevirt-iommufd dra: {failed.message}", file=sys.stderr)
         return failed.code
-    if not api_first and not _api_client_loaded(api):
+    if not api_first and not _api_loaded(api.load):
         driver.stop()
         return 2
     # In slices: a SIGTERM the kernel delivers to one of gRPC's threads only marks the handler
@@ -237,7 +239,7 @@ def _start_driver(
     labels = build_label_publisher(
         feature_file_path(args.feature_file, config, args.root, "dra"),
         "dra",
-        _node_labeler(api.load(), args.node_name) if args.label_node else None,
+        _node_labeler(args.kubeconfig, args.node_name) if args.label_node else None,
     )
     try:
         driver = DraDriver(settings, config, names, api, labels=labels, front=front)
@@ -247,18 +249,20 @@ def _start_driver(
     return driver
 
 
-def _load_api_client(kubeconfig: Path | None) -> Any:
-    from hostdev.labels.kube_client import load_api_client
+def _load_connection(kubeconfig: Path | None) -> KubeConnection:
+    from hostdev.labels.kube_connection import load_kube_connection
 
-    return load_api_client(kubeconfig)
+    return load_kube_connection(kubeconfig)
 
 
-def _api_client_loaded(api: ResourceApi) -> bool:
-    """Load the API client now; False, with the reason said, when there is no configuration."""
+def _api_loaded(load: Callable[[], object]) -> bool:
+    """Make the API connection now; False, with the reason said, when there is no usable
+    configuration."""
+    from hostdev.labels.kube_connection import ApiConfigError
+
     try:
-        api.load()
-    # The client's config loaders raise many kinds of error for a bad or missing kubeconfig.
-    except Exception as error:
+        load()
+    except ApiConfigError as error:
         print(
             f"kubevirt-iommufd dra: no API server configuration: {error}; run in a pod with a"
             " service account, or pass --kubeconfig",
@@ -269,9 +273,20 @@ def _api_client_loaded(api: ResourceApi) -> bool:
     return True
 
 
-def _node_labeler(api_client: Any, node: str) -> NodeLabeler:
+def _node_labeler(kubeconfig: Path | None, node: str) -> NodeLabeler:
+    """The labeler, on the official client (`hostdev.labels.node_patch`), loaded for it alone."""
+    from hostdev.labels.kube_client import load_api_client
     from hostdev.labels.node_patch import NodeLabeler
 
+    try:
+        api_client = load_api_client(kubeconfig)
+    # Its loaders raise many kinds of error for a configuration they cannot use.
+    except Exception as error:
+        raise _StartFailed(
+            f"--label-node: the official kubernetes client cannot use the API server"
+            f" configuration: {error}",
+            2,
+        ) from error
     labeler = NodeLabeler(api_client, node)
     labeler.start()
     return labeler

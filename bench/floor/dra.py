@@ -2,11 +2,11 @@
 with.
 
 grpcio, plugin registration and DRAPlugin v1 on unix sockets in the kubelet's directories. Per
-claim prepared: one GET of the claim over the HTTPS client stack our driver uses (the official
-`kubernetes` client's configuration and connection pool, read through `dra.api`), then its CDI
+claim prepared: one GET of the claim over the HTTPS client stack our driver uses (its connection,
+`hostdev.labels.kube_connection`, read through `dra.api`), then its CDI
 spec and a state record, each written, fsynced and renamed with the directory fsynced
 (`hostdev.atomic_file`, the driver's own primitive). Unprepare removes both and fsyncs the state
-directory. The client is loaded at the first prepare, as late as a plugin can: the kubelet gets
+directory. The connection is made at the first prepare, as late as a plugin can: the kubelet gets
 its answer to GetInfo from grpcio alone. No host scan, no slices, no checks.
 
 Run: `python -m bench.floor.dra --driver NAME --kubelet-dir DIR --cdi-dir DIR --state-dir DIR
@@ -107,9 +107,9 @@ class Plugin:
         with self._lock:
             if self._api is None:
                 from dra.api import ResourceApi
-                from hostdev.labels.kube_client import load_api_client
+                from hostdev.labels.kube_connection import load_kube_connection
 
-                self._api = ResourceApi(load_api_client(self._args.kubeconfig))
+                self._api = ResourceApi(load_kube_connection(self._args.kubeconfig))
             return self._api
 
     def _spec(self, uid: str) -> Path:

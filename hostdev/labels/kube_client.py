@@ -1,5 +1,6 @@
-"""The one way components reach the API server: the official `kubernetes` client, configured
-from a kubeconfig when one is given, else from the pod's service account."""
+"""The official `kubernetes` client, configured from a kubeconfig when one is given, else from the
+pod's service account: for the Node labels (`node_patch`), and for the DRA driver's calls only
+where a configuration needs it (`kube_connection`: exec plugins, auth-providers, proxies)."""
 
 from __future__ import annotations
 

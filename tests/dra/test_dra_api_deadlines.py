@@ -1,5 +1,7 @@
 """The driver's API calls against a slow, hung or hostile API server: each call ends by its
-overall deadline whatever the server trickles, and no answer is read beyond its cap."""
+overall deadline whatever the server trickles, and no answer is read beyond its cap. The calls go
+through the driver's own connection (`hostdev.labels.kube_connection`), and through an official
+client's pool where a configuration needs that client."""
 
 from __future__ import annotations
 
@@ -8,12 +10,15 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
+from pathlib import Path
 
 import kubernetes.client
 import pytest
 
 from dra import api as api_module
 from dra.api import MAX_OBJECT_BYTES, ApiError, ResourceApi
+from hostdev.labels.kube_connection import connect, load_kube_connection
+from hostdev.labels.kubeconfig import ClusterAccess
 from sim.apiserver import ApiServerStandIn, build_resource_claim
 
 NODE = "node-1"
@@ -22,11 +27,15 @@ DEADLINE = 1.0
 
 
 @pytest.fixture
-def resource_api(
-    apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient
-) -> ResourceApi:
+def resource_api(apiserver: ApiServerStandIn, tmp_path: Path) -> ResourceApi:
     apiserver.put_claim(build_resource_claim("vms", "gpu", ["gpu"], "vfio-gpu"))
-    return ResourceApi(api_client, call_seconds=DEADLINE)
+    connection = load_kube_connection(apiserver.write_kubeconfig(tmp_path / "kubeconfig"))
+    return ResourceApi(connection, call_seconds=DEADLINE)
+
+
+def api_at(server: str) -> ResourceApi:
+    """Calls to `server`, its certificate unchecked."""
+    return ResourceApi(connect(ClusterAccess(server, insecure=True)), call_seconds=DEADLINE)
 
 
 def failed_within(seconds: float, call: object) -> tuple[str, float]:
@@ -50,6 +59,18 @@ def test_a_claim_get_ends_at_its_deadline(
     assert message == "get resourceclaim vms/gpu: the API server did not answer within 1 s"
     assert took >= DEADLINE - 0.05
     # The pool is not left with a half-read connection: the next call is answered.
+    assert resource_api.read_claim("vms", "gpu")["metadata"]["name"] == "gpu"
+
+
+def test_a_call_through_the_official_clients_pool_ends_at_its_deadline(
+    apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient
+) -> None:
+    """An exec plugin's or a proxy's configuration: the official client's pool, cut as ours."""
+    apiserver.put_claim(build_resource_claim("vms", "gpu", ["gpu"], "vfio-gpu"))
+    resource_api = ResourceApi(api_client, call_seconds=DEADLINE)
+    apiserver.misbehave("trickle", path="/resourceclaims/gpu", interval=0.2)
+    message, _ = failed_within(DEADLINE + 1.0, lambda: resource_api.read_claim("vms", "gpu"))
+    assert message == "get resourceclaim vms/gpu: the API server did not answer within 1 s"
     assert resource_api.read_claim("vms", "gpu")["metadata"]["name"] == "gpu"
 
 
@@ -104,11 +125,8 @@ def trickled_tls_handshake() -> Iterator[str]:
 
 
 def test_a_trickled_tls_handshake_ends_at_the_deadline(trickled_tls_handshake: str) -> None:
-    config = kubernetes.client.Configuration(host=trickled_tls_handshake)
-    config.verify_ssl = False
-    with kubernetes.client.ApiClient(config) as client:
-        resource_api = ResourceApi(client, call_seconds=DEADLINE)
-        message, _ = failed_within(DEADLINE + 1.0, lambda: resource_api.read_claim("vms", "gpu"))
+    resource_api = api_at(trickled_tls_handshake)
+    message, _ = failed_within(DEADLINE + 1.0, lambda: resource_api.read_claim("vms", "gpu"))
     assert message.endswith("did not answer within 1 s")
 
 
@@ -166,19 +184,15 @@ def raw_http_server(answer: bytes) -> str:
 )
 def test_an_answer_that_is_no_object_is_an_api_error(body: bytes, words: str) -> None:
     head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-    config = kubernetes.client.Configuration(host=raw_http_server(head + body))
-    with kubernetes.client.ApiClient(config) as client:
-        resource_api = ResourceApi(client, call_seconds=DEADLINE)
-        message, _ = failed_within(5.0, lambda: resource_api.read_claim("vms", "gpu"))
+    resource_api = api_at(raw_http_server(head + body))
+    message, _ = failed_within(5.0, lambda: resource_api.read_claim("vms", "gpu"))
     assert message.startswith(f"get resourceclaim vms/gpu: {words}")
 
 
 def test_a_compressed_answer_is_refused() -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}"
-    config = kubernetes.client.Configuration(host=raw_http_server(answer))
-    with kubernetes.client.ApiClient(config) as client:
-        resource_api = ResourceApi(client, call_seconds=DEADLINE)
-        message, _ = failed_within(5.0, lambda: resource_api.read_claim("vms", "gpu"))
+    resource_api = api_at(raw_http_server(answer))
+    message, _ = failed_within(5.0, lambda: resource_api.read_claim("vms", "gpu"))
     assert message.endswith("the answer is compressed (gzip) though none was asked for")
 
 
@@ -226,9 +240,7 @@ def test_a_connect_that_never_completes_ends_at_the_deadline() -> None:
             filler.setblocking(False)
             filler.connect_ex(("127.0.0.1", port))
             waiting.append(filler)
-        configuration = kubernetes.client.Configuration()
-        configuration.host = f"http://127.0.0.1:{port}"
-        api = ResourceApi(kubernetes.client.ApiClient(configuration), call_seconds=DEADLINE)
+        api = api_at(f"http://127.0.0.1:{port}")
         message, _ = failed_within(DEADLINE + 1.0, lambda: api.read_claim("vms", "gpu"))
         assert message == "get resourceclaim vms/gpu: the API server did not answer within 1 s"
     finally:
