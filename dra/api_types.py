@@ -1,7 +1,7 @@
 """What callers of the driver's API calls (`dra.api`) see, without the HTTP stack behind them:
 the error every call fails with and the shape of its answers. Kept apart so that the preparer
 and the publisher import them before the driver serves the kubelet, while urllib3 and the
-`kubernetes` client load only once the first call is made."""
+connection load only once the first call is made."""
 
 from __future__ import annotations
 
