@@ -12,7 +12,7 @@ import os
 import ssl
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -249,17 +249,6 @@ def test_in_a_pod_the_service_account_reaches_the_server(
     assert get_node(connection) == 200
 
 
-def wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_a_rotated_token_is_read_again_after_the_refresh_period(
     apiserver: ApiServerStandIn, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -274,13 +263,12 @@ def test_a_rotated_token_is_read_again_after_the_refresh_period(
     apiserver.token = "rotated-" + old
     swap_service_account(account, apiserver.token, apiserver.ca_pem, "..2026_01_01_00_10_00.0")
     assert get_node(connection) == 401
-    assert wait_for(lambda: get_node(connection) == 200, 5.0)
+    assert apiserver.wait_until(lambda: get_node(connection) == 200)
     # A token file gone (or unreadable) at the next re-read: the token read before stays.
     (account / "..data").unlink()
     with caplog.at_level(logging.WARNING):
-        assert wait_for(
-            lambda: get_node(connection) == 200 and "the token read before is kept" in caplog.text,
-            5.0,
+        assert apiserver.wait_until(
+            lambda: get_node(connection) == 200 and "the token read before is kept" in caplog.text
         )
     assert apiserver.token not in caplog.text
     assert f"cannot read the token file {account / 'token'}: No such file" in caplog.text
