@@ -139,6 +139,7 @@ class Store:
     def create(
         self, kind: Kind, namespace: str, body: Object, checks: Checks | None = None
     ) -> Object:
+        """Store a copy of `body`; the answer is the object stored: read it, never change it."""
         obj = _decoded(kind, body)
         meta = obj.setdefault("metadata", {})
         if meta.get("resourceVersion"):
@@ -173,6 +174,7 @@ class Store:
     def update(
         self, kind: Kind, namespace: str, name: str, body: Object, checks: Checks | None = None
     ) -> Object:
+        """As `create`: the answer is the object stored."""
         obj = _decoded(kind, body)
         meta = obj.setdefault("metadata", {})
         if meta.get("name") != name:
@@ -205,7 +207,7 @@ class Store:
                 obj["status"] = _copied(old.get("status", {}))
             self._check(kind, obj, old, checks)
             if obj == old:
-                return _copied(old)  # etcd writes nothing: no new version, no event
+                return old  # etcd writes nothing: no new version, no event
             return self._write(kind, key, obj, "MODIFIED", old)
 
     def put(self, kind: Kind, obj: Object) -> Object:
@@ -226,7 +228,7 @@ class Store:
                 for field in ("uid", "creationTimestamp", "generation"):
                     if field in old["metadata"]:
                         new_meta.setdefault(field, old["metadata"][field])
-            return self._write(kind, key, new, "ADDED" if old is None else "MODIFIED", old)
+            return _copied(self._write(kind, key, new, "ADDED" if old is None else "MODIFIED", old))
 
     def delete(
         self,
@@ -318,9 +320,10 @@ class Store:
         self._revision += 1
         obj["metadata"]["resourceVersion"] = str(self._revision)
         self._objects[key] = obj
-        # Stored objects are replaced, never changed: the event holds the one stored.
+        # Stored objects are replaced, never changed: the event holds the one stored, and a
+        # writer's answer is that object too.
         self._record(Event(self._revision, type_, kind, obj, old))
-        return _copied(obj)
+        return obj
 
     def _remove(self, kind: Kind, key: tuple[str, str, str]) -> None:
         old = self._objects.pop(key)
@@ -345,8 +348,8 @@ def _copied(obj: Object) -> Object:
 
 
 def _decoded(kind: Kind, body: Object) -> Object:
-    """A client's object as the server holds it once decoded: its own copy, kind and apiVersion
-    set, defaults filled in."""
+    """A client's object as the server holds it once decoded: its own copy (the request log
+    keeps the body as sent), kind and apiVersion set, defaults filled in."""
     obj = _copied(body)
     obj["kind"], obj["apiVersion"] = kind.kind, kind.api_version
     if kind is RESOURCE_SLICES:
