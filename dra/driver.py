@@ -478,9 +478,14 @@ class DraDriver:
         if keep_hints:
             self._record_baselines()
             self._record_published()
-        bdfs = {d.name: d.bdf for d in devices} | {n: b for b, n in prepared.items()}
-        for old, new in diff_health(before, self._health.health):
-            if old is not None or new.health is not Health.HEALTHY:
+        logged = [
+            (old, new)
+            for old, new in diff_health(before, self._health.health)
+            if old is not None or new.health is not Health.HEALTHY
+        ]
+        if logged:
+            bdfs = {d.name: d.bdf for d in devices} | {n: b for b, n in prepared.items()}
+            for old, new in logged:
                 _log_change(old, new, bdfs.get(new.device), claims)
         if (not report or not checked) and same_health(before, self._health.health):
             return
