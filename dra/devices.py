@@ -10,6 +10,7 @@ and the slice's taint say so, instead of the device vanishing under a running VM
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -197,14 +198,10 @@ def build_attributes(
     attributes: dict[str, AttributeValue] = {PCI_BUS_ID: str(function.bdf)}
     if function.pcie_root is not None:
         attributes[PCIE_ROOT] = function.pcie_root
-    product = nvidia_device_name(
-        names.device_name(function.vendor_id, function.device_id), function.device_id
+    attributes |= _identity_attributes(
+        names, function.vendor_id, function.device_id, function.class_code
     )
     attributes |= {
-        "vendorID": f"{function.vendor_id:04x}",
-        "deviceID": f"{function.device_id:04x}",
-        "pciClass": f"{function.class_code:06x}",
-        "productName": product[:MAX_STRING_ATTRIBUTE],
         "iommuGroup": group.number,
         "iommufd": iommufd,
         "currentDriver": function.driver or "",
@@ -214,6 +211,24 @@ def build_attributes(
     if function.numa_node is not None:
         attributes["numaNode"] = function.numa_node
     return MappingProxyType(attributes)
+
+
+@functools.lru_cache(maxsize=256)
+def _identity_attributes(
+    names: PciIds, vendor_id: int, device_id: int, class_code: int
+) -> Mapping[str, AttributeValue]:
+    """The attributes that say what kind of device it is: a node's functions come in a few
+    kinds, and naming one (its pci.ids name, as NVIDIA's plugin spells it) cost as much as the
+    rest of its attributes."""
+    product = nvidia_device_name(names.device_name(vendor_id, device_id), device_id)
+    return MappingProxyType(
+        {
+            "vendorID": f"{vendor_id:04x}",
+            "deviceID": f"{device_id:04x}",
+            "pciClass": f"{class_code:06x}",
+            "productName": product[:MAX_STRING_ATTRIBUTE],
+        }
+    )
 
 
 def typed_attributes(attributes: Mapping[str, AttributeValue]) -> dict[str, Any]:

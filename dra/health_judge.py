@@ -112,21 +112,30 @@ def judge_health(
     tracked: dict[str, Tracked] = {}
     inputs: dict[str, Inputs] = {}
     last = {h.device: h for h in state.health}
+    # Each signal looked up once per device, and the sets and claims only when they hold any:
+    # a PCI address hashes slowly, and 4,096 devices are judged at every reading of the host.
+    aer, claims, bound, reprobed = (
+        signals.aer,
+        signals.claims,
+        signals.bound_for_claims,
+        signals.reprobed,
+    )
     for device in devices:
         name, bdf = device.name, device.bdf
         judged = inputs[name] = (
             device,
-            signals.aer.get(bdf),
-            signals.claims.get(bdf),
-            bdf in signals.bound_for_claims,
+            aer.get(bdf),
+            claims.get(bdf) if claims else None,
+            bool(bound) and bdf in bound,
         )
+        again = bool(reprobed) and bdf in reprobed
         before = state.tracked.get(name)
         previous = last.get(name)
         if (
             before is not None
             and previous is not None
             and before.pending_since is None
-            and bdf not in signals.reprobed
+            and not again
             and state.inputs.get(name) == judged
         ):
             tracked[name] = before
@@ -134,8 +143,8 @@ def judge_health(
                 DeviceHealth(name, previous.health, previous.message, now) if checked else previous
             )
             continue
-        seen = tracked[name] = _track(before, device, signals, now)
-        verdict, message = _judge(device, seen, signals, now)
+        seen = tracked[name] = _track(before, judged, again, signals.recorded, now)
+        verdict, message = _judge(judged, seen, now)
         health.append(DeviceHealth(name, verdict, message, now))
     for name, claim in sorted(signals.gone.items()):
         if name not in tracked:
@@ -204,18 +213,23 @@ def same_health(a: Sequence[DeviceHealth], b: Sequence[DeviceHealth]) -> bool:
     ]
 
 
-def _track(before: Tracked | None, device: DraDevice, signals: HostSignals, now: float) -> Tracked:
+def _track(
+    before: Tracked | None,
+    judged: Inputs,
+    reprobed: bool,
+    recorded: Mapping[str, Baseline],
+    now: float,
+) -> Tracked:
+    device, counts, _, _ = judged
     driver = str(device.attributes.get("currentDriver", ""))
-    counts = signals.aer.get(device.bdf)
     fatal = counts.fatal if counts is not None else None
-    if before is None or before.driver != driver or device.bdf in signals.reprobed:
+    if before is None or before.driver != driver or reprobed:
         first = _first_seen(device, driver, fatal, now)
-        new_here = before is None and device.bdf not in signals.reprobed
-        recorded = signals.recorded.get(device.name) if new_here else None
+        kept = recorded.get(device.name) if before is None and not reprobed else None
         # Counters going down since the record mean a new device at that address.
-        if recorded is None or recorded.driver != driver or fatal is None or recorded.fatal > fatal:
+        if kept is None or kept.driver != driver or fatal is None or kept.fatal > fatal:
             return first
-        return replace(first, fatal_baseline=recorded.fatal)
+        return replace(first, fatal_baseline=kept.fatal)
     baseline = before.fatal_baseline
     if baseline is None or (fatal is not None and fatal < baseline):
         baseline = fatal
@@ -238,29 +252,25 @@ def _first_seen(device: DraDevice, driver: str, fatal: int | None, now: float) -
     )
 
 
-def _judge(
-    device: DraDevice, seen: Tracked, signals: HostSignals, now: float
-) -> tuple[Health, str]:
+def _judge(judged: Inputs, seen: Tracked, now: float) -> tuple[Health, str]:
+    device, counts, claim, bound_for_claim = judged
     if device.unusable:
         return Health.UNHEALTHY, f"cannot be given to a VM: {device.unusable}"
-    claim = signals.claims.get(device.bdf)
-    if device.bind_on_demand and claim is not None and device.bdf in signals.bound_for_claims:
+    if device.bind_on_demand and claim is not None and bound_for_claim:
         return Health.UNHEALTHY, (
             f"bound to VFIO for {claim}, now on {seen.driver or 'no driver'}: its VM has lost"
             " the device; delete the VM's pod so that the claim is unprepared"
         )
-    nodes = f"its VFIO cdev or group node /dev/vfio/{device.group} is missing"
     if device.nodes_pending and seen.nodes_seen:
         return Health.UNHEALTHY, (
-            f"{nodes}, after it was there: something removed it; unbind the device and bind"
-            " it to vfio-pci again to have it made anew"
+            f"{_missing_nodes(device)}, after it was there: something removed it; unbind the"
+            " device and bind it to vfio-pci again to have it made anew"
         )
     if seen.pending_since is not None and now - seen.pending_since > NODES_GRACE:
         return Health.UNHEALTHY, (
-            f"{nodes} {now - seen.pending_since:.0f} s after it was bound to"
+            f"{_missing_nodes(device)} {now - seen.pending_since:.0f} s after it was bound to"
             f" {seen.driver}: check that udev runs and makes /dev/vfio nodes"
         )
-    counts = signals.aer.get(device.bdf)
     if counts is not None and seen.fatal_baseline is not None:
         new = counts.fatal - seen.fatal_baseline
         if new > 0:
@@ -275,3 +285,7 @@ def _judge(
     if counts is not None and counts.nonfatal:
         notes.append(f"{counts.nonfatal} non-fatal PCIe errors (AER) so far")
     return Health.HEALTHY, "; ".join(notes)
+
+
+def _missing_nodes(device: DraDevice) -> str:
+    return f"its VFIO cdev or group node /dev/vfio/{device.group} is missing"

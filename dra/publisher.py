@@ -34,6 +34,7 @@ from dra.slices import (
     Owner,
     SlicePlan,
     TaintEffect,
+    TypedCache,
     build_taints,
     plan_slices,
     tainted_devices,
@@ -113,6 +114,9 @@ class SlicePublisher:
         wait."""
         self._write_after = 0.0
         """When a change of the devices alone may be written (see WRITE_SHARE)."""
+        self._typed = TypedCache()
+        """The devices' attributes as the last plan typed them (only the reconciling thread
+        uses it)."""
         self._woken = threading.Condition(self._lock)
         """Notified when a change comes or the publisher stops, for a wait in `_settle`."""
 
@@ -219,7 +223,10 @@ class SlicePublisher:
             self._relist.clear()
             self._held = None
             self._held, _ = self._api.list_slices(self._node, self._driver)
-        plan = plan_slices(self._held, self._owner, self._driver, devices, taints, self._slots)
+        plan = plan_slices(
+            self._held, self._owner, self._driver, devices, taints, self._slots, self._typed
+        )
+        self._typed.settle()
         if not plan.empty:
             started = time.monotonic()
             dropped = self._apply(plan)

@@ -330,6 +330,7 @@ def _read_function(
             else (None, False)
         )
         numa_node = read.integer("numa_node")
+        pcie_root, upstream = _placement(target, name)
         return PciFunction(
             bdf=bdf,
             vendor_id=ids[0],
@@ -346,13 +347,13 @@ def _read_function(
             ),
             physfn=Bdf.parse(physfn) if physfn else None,
             modalias=modalias,
-            upstream=_upstream_bridges(target, name),
+            upstream=upstream,
             consumers=tuple(links.consumers.get(name, ())),
             vfio_cdev=vfio_cdev,
             vfio_cdev_present=vfio_cdev is not None and vfio_cdev in links.cdev_nodes,
             vfio_sysfs_without_cdev=vfio_without_cdev,
             reset_methods=read.reset_methods() if reset_methods else None,
-            pcie_root=_pcie_root(target),
+            pcie_root=pcie_root,
         )
     except _DeviceGone:
         return None  # its attributes went away under us: hot-unplug
@@ -374,21 +375,24 @@ def _ids_from_modalias(modalias: str) -> tuple[int, int, int, int, int] | None:
     return vendor, device, sub_vendor, sub_device, base << 16 | sub << 8 | prog_if
 
 
-def _pcie_root(link_target: str) -> str | None:
-    """`pci0000:00` from a device's /sys/devices path: `…/devices/pci0000:00/…/<bdf>`."""
-    for part in link_target.split("/"):
-        if part.startswith("pci") and part != "pci":
-            return sys.intern(part)
-    return None
-
-
-def _upstream_bridges(link_target: str, name: str) -> tuple[Bdf, ...]:
-    """Bridges above a device, read from its /sys/devices path: `…/pci0000:00/<bridge>/…/<bdf>`."""
+def _placement(link_target: str, name: str) -> tuple[str | None, tuple[Bdf, ...]]:
+    """The PCI host bridge (`pci0000:00`) and the bridges above a device, read from its
+    /sys/devices path: `…/devices/pci0000:00/<bridge>/…/<bdf>`."""
     parents, _, last = link_target.rpartition("/")
-    if last != name:
-        return ()
+    root, bridges = _placement_below(parents)
+    if root is None and last.startswith("pci") and last != "pci":
+        root = sys.intern(last)
+    return root, bridges if last == name else ()
+
+
+@functools.lru_cache(maxsize=1024)
+def _placement_below(parents: str) -> tuple[str | None, tuple[Bdf, ...]]:
+    """`_placement` of what is below the directory `parents`. Cached: the functions of a device,
+    and the devices behind one switch, share it."""
+    root = next((p for p in parents.split("/") if p.startswith("pci") and p != "pci"), None)
     _, _, below_root_bus = parents.partition("/pci")
-    return tuple(Bdf.parse(part) for part in below_root_bus.split("/")[1:] if is_bdf(part))
+    bridges = tuple(Bdf.parse(part) for part in below_root_bus.split("/")[1:] if is_bdf(part))
+    return None if root is None else sys.intern(root), bridges
 
 
 def _read_capabilities(

@@ -76,8 +76,12 @@ def start(
     started: list[DraDriver] = []
     with short_directory() as base:
 
-        def run(spec: HostSpec | None = None, config: PluginConfig | None = None) -> Node:
-            root = build_host(spec or hgx_h100())
+        def run(
+            spec: HostSpec | None = None,
+            config: PluginConfig | None = None,
+            root: Path | None = None,
+        ) -> Node:
+            root = root or build_host(spec or hgx_h100())
             reports: list[tuple[DeviceHealth, ...]] = []
             driver = DraDriver(
                 driver_settings(root, base, RESCAN),
@@ -275,3 +279,69 @@ def test_the_health_list_is_handed_on_at_every_rescan(
         finally:
             driver.stop()
     assert reports == sorted(reports) and len(set(reports)) == len(reports)
+
+
+def test_errors_counted_before_a_first_start_are_its_baseline_and_one_after_it_counts(
+    start: Callable[..., Node], build_host: BuildHost
+) -> None:
+    """A device without a recorded baseline has its counters read after the first publication
+    is handed on, and still before the start returns: what they hold then is its baseline."""
+    spec = hgx_h100()
+    root = build_host(spec)
+    for _ in range(2):
+        report_aer_error(root, GPU, fatal=True)
+    node = start(spec, root=root)
+    (first,) = [h for h in node.reports[0] if h.device == GPU_DEVICE]
+    assert first.health is Health.HEALTHY
+    assert node.health(GPU_DEVICE) == DeviceHealth(GPU_DEVICE, Health.HEALTHY, "", first.checked_at)
+    report_aer_error(root, GPU, fatal=True)
+    unhealthy = node.wait(GPU_DEVICE, Health.UNHEALTHY, "AER fatal after the start")
+    assert unhealthy.message.startswith("1 fatal PCIe error (AER) since it was bound to vfio-pci")
+
+
+def test_an_error_while_the_driver_was_down_taints_its_first_publication(
+    build_host: BuildHost, apiserver: ApiServerStandIn, api_client: kubernetes.client.ApiClient
+) -> None:
+    """A device with a recorded baseline has its counters read before the first publication:
+    an error since the last run makes the first list, and the first slices written, unhealthy."""
+    apiserver.put_node(NODE)
+    root = build_host(hgx_h100())
+    with short_directory() as base:
+        runs: list[list[tuple[DeviceHealth, ...]]] = []
+
+        def run() -> DraDriver:
+            runs.append([])
+            driver = DraDriver(
+                driver_settings(root, base, RESCAN),
+                default_config(),
+                PciIds(None),
+                ResourceApi(api_client),
+                on_health=runs[-1].append,
+            )
+            driver.start()
+            return driver
+
+        first = run()
+        assert apiserver.wait_until(lambda: bool(apiserver.slices(NODE, DRIVER)), timeout=10)
+        first.stop()
+        report_aer_error(root, GPU, fatal=True)
+        written = len(apiserver.requests)
+        second = run()
+        try:
+            (judged,) = [h for h in runs[1][0] if h.device == GPU_DEVICE]
+            assert judged.health is Health.UNHEALTHY, judged
+
+            def gpu_entries() -> list[dict[str, object]]:
+                """The GPU's entry in each slice written since the restart, in order."""
+                return [
+                    d
+                    for r in apiserver.requests[written:]
+                    if r.method in ("POST", "PUT") and "resourceslices" in r.path and r.body
+                    for d in r.body["spec"]["devices"]
+                    if d["name"] == GPU_DEVICE
+                ]
+
+            assert apiserver.wait_until(lambda: bool(gpu_entries()), timeout=10)
+            assert gpu_entries()[0].get("taints"), gpu_entries()[0]
+        finally:
+            second.stop()

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import MappingProxyType
+
 import pytest
 
-from dra.slices import MAX_DEVICES_PER_SLICE, Owner, build_slices, plan_slices, slice_name
+from dra.slices import (
+    MAX_DEVICES_PER_SLICE,
+    Owner,
+    TypedCache,
+    build_slices,
+    plan_slices,
+    slice_name,
+)
 from dra_kit import DRIVER
 from dra_slices_kit import devices, stored
 
@@ -68,3 +78,23 @@ def test_overlong_names_stay_valid_and_distinct() -> None:
     node = "n" * 250
     first, second = slice_name(node, DRIVER, 0), slice_name(node, DRIVER, 1)
     assert len(first) <= 253 and len(second) <= 253 and first != second
+
+
+def test_a_typed_cache_plans_as_typing_anew_and_shares_only_what_is_unchanged() -> None:
+    cache = TypedCache()
+    pool = devices(130)
+    assert plan_slices([], OWNER, DRIVER, pool, typed=cache) == plan_slices([], OWNER, DRIVER, pool)
+    cache.settle()
+    first = build_slices(OWNER, DRIVER, pool, 1, typed=cache)
+    cache.settle()
+    # The first device rebuilt (its function read differently), the rest as they were.
+    rebuilt = replace(
+        pool[0], attributes=MappingProxyType({**pool[0].attributes, "currentDriver": "nvidia"})
+    )
+    second = build_slices(OWNER, DRIVER, [rebuilt, *pool[1:]], 2, typed=cache)
+    assert second == build_slices(OWNER, DRIVER, [rebuilt, *pool[1:]], 2)
+    before, after = first[0]["spec"]["devices"], second[0]["spec"]["devices"]
+    assert after[0]["attributes"]["currentDriver"] == {"string": "nvidia"}
+    assert after[0]["attributes"] is not before[0]["attributes"]
+    kept = zip(after[1:], before[1:], strict=True)
+    assert all(a["attributes"] is b["attributes"] for a, b in kept)

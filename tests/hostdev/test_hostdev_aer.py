@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from hostdev.aer import FATAL_TOTAL, AerCounts, parse_aer_total, read_aer_counts
 from hostdev.bdf import Bdf
@@ -29,6 +31,10 @@ TOTAL_ERR_FATAL 3
         ("TOTAL_ERR_FATAL \u00b2\n", None),
         ("TOTAL_ERR_NONFATAL 4\n", None),
         ("", None),
+        ("Undefined 0\r\nTOTAL_ERR_FATAL 7\r\n", 7),
+        ("TOTAL_ERR_FATAL x\nTOTAL_ERR_FATAL 5\n", 5),
+        ("A TOTAL_ERR_FATAL 1\nTOTAL_ERR_FATAL 2", 2),
+        ("TOTAL_ERR_FATAL 3 4\n", None),
     ],
     ids=[
         "kernel sample",
@@ -39,6 +45,10 @@ TOTAL_ERR_FATAL 3
         "a digit int() refuses",
         "the other total",
         "empty",
+        "CRLF line ends",
+        "a bad total line, then a good one",
+        "the name inside a line first",
+        "two counts",
     ],
 )
 def test_the_total_is_read_from_its_line(text: str, count: int | None) -> None:
@@ -78,3 +88,36 @@ def test_a_garbled_counter_file_is_no_counters(build_host: BuildHost, content: b
     bdf = "0000:18:00.0"
     (root / "sys/bus/pci/devices" / bdf / "aer_dev_fatal").write_bytes(content)
     assert read_aer_counts(root, Bdf.parse(bdf)) is None
+
+
+def _line_by_line(text: str, total: str) -> int | None:
+    """What `parse_aer_total` answers, by its definition: the first line that is the total's."""
+    for line in text.splitlines():
+        name, _, count = line.rpartition(" ")
+        if name == total and count.isascii() and count.isdigit():
+            return int(count)
+    return None
+
+
+_PIECES = st.sampled_from(
+    [
+        FATAL_TOTAL,
+        " ",
+        "\n",
+        "\r",
+        "\r\n",
+        "\x0b",
+        "\u2028",
+        "0",
+        "12",
+        "\u00b2",
+        "x",
+        "Undefined 0\n",
+    ]
+)
+
+
+@given(st.lists(_PIECES, max_size=12).map("".join))
+@example(FATAL)
+def test_the_total_is_found_as_line_by_line(text: str) -> None:
+    assert parse_aer_total(text, FATAL_TOTAL) == _line_by_line(text, FATAL_TOTAL)

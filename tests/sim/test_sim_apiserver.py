@@ -400,6 +400,18 @@ INVALID_SLICES = {
         invalid(devices=[device("0000:65:00.0", model={"string": "x" * 65})]),
         "spec.devices[0].attributes[model].string: Too long: may not be more than 64 bytes",
     ),
+    "a string attribute of 33 two-byte characters": (
+        invalid(devices=[device("0000:65:00.0", model={"string": "\u00e9" * 33})]),
+        "spec.devices[0].attributes[model].string: Too long: may not be more than 64 bytes",
+    ),
+    "an attribute without a value": (
+        invalid(devices=[device("0000:65:00.0", numa={"int": None})]),
+        'spec.devices[0].attributes[numa]: Invalid value: "": exactly one value must be specified',
+    ),
+    "an attribute name that is no C identifier": (
+        invalid(devices=[device("0000:65:00.0", **{"9lives": {"int": 1}})]),
+        'spec.devices[0].attributes: Invalid value: "9lives": a valid C identifier',
+    ),
     "33 attributes": (
         invalid(devices=[device("0000:65:00.0", **{f"a{i}": {"int": i} for i in range(32)})]),
         "spec.devices[0]: Invalid value: 33: the total number of attributes and capacities must"
