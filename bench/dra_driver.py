@@ -13,8 +13,8 @@ kubeconfig), on a simulated 8-GPU node and on a 4,096-function node. Printed per
   metadata files and its state record), then unprepared (NodeUnprepare p50/p99, same runs);
 - the driver process's peak RSS (VmHWM).
 The machine's pci.ids is used, as the image has it. CDI specs go to tmpfs (/dev/shm), as
-/var/run/cdi is on a node; the state directory with the metadata files stays on disk, where each
-atomic write is two fsyncs. Run: `python -m bench.dra_driver`
+/var/run/cdi is on a node, and so does the run directory with the metadata files; the state
+directory stays on disk, where each atomic write is two fsyncs. Run: `python -m bench.dra_driver`
 (or `./dev.sh bench`); on a shared machine, under `nice`.
 """
 
@@ -86,6 +86,7 @@ def bench_node(label: str, spec: HostSpec) -> list[Row]:
                     sys.executable, "-m", "kubevirt_iommufd", "dra", "--node-name", NODE,
                     "--root", str(root), "--kubelet-dir", str(work / "kubelet"),
                     "--cdi-dir", str(cdi), "--state-dir", str(work / "state"),
+                    "--run-dir", str(cdi / "run"),
                     "--kubeconfig", str(kubeconfig), "--log-level", "error",
                 ],
             )  # fmt: skip

@@ -84,6 +84,7 @@ def run_driver(work: Path, api: ResourceApi, poll: float, watcher: Watcher) -> D
         kubelet_dir=work / f"kubelet-{poll}",
         cdi_dir=work / f"cdi-{poll}",
         state_dir=work / f"state-{poll}",
+        run_dir=work / f"run-{poll}",
         rescan_interval=30.0,
     )
     driver = DraDriver(

@@ -135,6 +135,7 @@ def main() -> int:
                     sys.executable, "-m", "kubevirt_iommufd", "dra", "--node-name", NODE,
                     "--root", str(root), "--kubelet-dir", str(work / "kubelet"),
                     "--cdi-dir", str(work / "cdi"), "--state-dir", str(work / "state"),
+                    "--run-dir", str(work / "run"),
                     "--kubeconfig", str(kubeconfig), "--log-level", "error",
                 ],
             )  # fmt: skip

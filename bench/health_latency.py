@@ -112,7 +112,8 @@ def dra_rows(work: Path) -> list[Row]:
         process = spawn_dra(
             "--node-name", NODE, "--root", str(root),
             "--kubelet-dir", str(work / "dra-kubelet"), "--cdi-dir", str(work / "cdi"),
-            "--state-dir", str(work / "state"), "--kubeconfig", str(kubeconfig),
+            "--state-dir", str(work / "state"), "--run-dir", str(work / "run"),
+            "--kubeconfig", str(kubeconfig),
         )  # fmt: skip
         with running("kubevirt-iommufd dra", process):
             kubelet.wait_health(

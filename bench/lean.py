@@ -19,7 +19,8 @@ bytecode from disk while the other finds it in the page cache.
 Targets (PASS/FAIL): DRA exec->GetInfo <= 1.2x the floor, NodePrepare p50 and CPU per cycle
 <= 1.5x, idle RSS <= 1.3x (on the 8-GPU node); on 4,096 functions NodePrepare p99 < 50 ms and
 slices < 1 s; device plugin exec->Register and RSS <= 1.2x its floor (both nodes).
-CDI specs go to tmpfs (/dev/shm), as /var/run/cdi is on a node; state stays on disk. Both
+CDI specs go to tmpfs (/dev/shm), as /var/run/cdi is on a node, and so does our run directory
+(metadata files, unprepared marks; the floor has none); state stays on disk. Both
 daemons run from compiled bytecode, as on a node (the image's `pip install` compiles every
 module): the project's and the floor's sources are compiled once into a cache of this run
 (PYTHONPYCACHEPREFIX), whatever PYTHONDONTWRITEBYTECODE says, so neither pays the compiler at
@@ -159,12 +160,13 @@ def dra_round(
     kubeconfig = api.write_kubeconfig(work / "kubeconfig")
     common = ["--kubelet-dir", str(work / "kubelet"), "--cdi-dir", str(cdi)]
     common += ["--state-dir", str(work / "state"), "--kubeconfig", str(kubeconfig)]
+    run = ["--run-dir", str(cdi / "run")]
     since = 0
     if kind == OURS:
         api.delete_slices(NODE, DRIVER)
         since = api.store.revision
         command = [sys.executable, "-m", "kubevirt_iommufd", "dra", "--node-name", NODE]
-        command += ["--root", str(root), "--log-level", "error", *common]
+        command += ["--root", str(root), "--log-level", "error", *common, *run]
     else:
         command = [sys.executable, "-m", "bench.floor.dra", "--driver", DRIVER, *common]
     try:

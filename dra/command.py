@@ -21,6 +21,7 @@ DEFAULT_DRIVER = "vfio.kubevirt-iommufd.io"
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet")
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_STATE_DIR = Path("/var/lib/kubevirt-iommufd/dra")
+DEFAULT_RUN_DIR = Path("/var/run/kubevirt-iommufd/dra")
 _DNS_SUBDOMAIN = re.compile(
     r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 )
@@ -92,8 +93,16 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=Path,
         default=DEFAULT_STATE_DIR,
         metavar="DIR",
-        help="prepared claims and their metadata files, kept across restarts"
-        f" (default: {DEFAULT_STATE_DIR})",
+        help=f"prepared claims, kept across restarts and reboots (default: {DEFAULT_STATE_DIR})",
+    )
+    dra.add_argument(
+        "--run-dir",
+        type=Path,
+        default=DEFAULT_RUN_DIR,
+        metavar="DIR",
+        help="the device metadata files KubeVirt reads, mounted into pods from here, and what"
+        " else need not survive a reboot; a tmpfs, at the same path on the host"
+        f" (default: {DEFAULT_RUN_DIR})",
     )
     dra.add_argument(
         "--kubeconfig",
@@ -233,6 +242,7 @@ def _start_driver(
         kubelet_dir=kubelet_dir,
         cdi_dir=args.cdi_dir.absolute(),
         state_dir=args.state_dir.absolute(),
+        run_dir=args.run_dir.absolute(),
         rescan_interval=args.rescan_interval,
         watch_udev=args.root == Path("/"),
         host_root=args.host_root,

@@ -104,6 +104,8 @@ class DriverSettings:
     kubelet_dir: Path
     cdi_dir: Path
     state_dir: Path
+    run_dir: Path
+    """What need not survive a reboot (a tmpfs): the metadata files, the unprepared marks."""
     rescan_interval: float = 5.0
     watch_udev: bool = False
     host_root: Path = Path("/")
@@ -154,10 +156,11 @@ class DraDriver:
         self._next_poll = 0.0
         """When the error counters may next be read between events (see COUNTER_SHARE)."""
         self.host = HostCache(settings.root, config, names)
-        self.store = ClaimStore(settings.state_dir)
+        self.store = ClaimStore(settings.state_dir, settings.run_dir)
         handoff = build_handoff_config(settings, config)
         self._paths = Paths(
             settings.cdi_dir,
+            settings.run_dir / "metadata",
             settings.state_dir / "metadata",
             handoff.socket_dir if handoff else None,
             config.iommufd.slots if handoff else 0,
@@ -295,9 +298,11 @@ class DraDriver:
     def _make_directories(self) -> None:
         """Each directory the driver writes into as root, made with its mode whatever the umask,
         and refused (UnsafeDirectory) when another user could write into it: there they could
-        plant a symbolic link the driver then writes through. The claim store makes claims/."""
+        plant a symbolic link the driver then writes through. The claim store makes claims/ and
+        the unprepared marks' directory."""
         make_private_directory(self._paths.cdi_dir, READABLE_MODE, "CDI directory")
         make_private_directory(self.settings.state_dir, READABLE_MODE, "state directory")
+        make_private_directory(self.settings.run_dir, READABLE_MODE, "run directory")
         make_private_directory(self._paths.metadata_dir, READABLE_MODE, "metadata directory")
         make_private_directory(self._journal_dir, RECORDS_MODE, "binding journal directory")
 

@@ -8,10 +8,10 @@ Every failure is the claim's own answer (an error string naming the claim, the d
 fix); one bad claim never fails the others of the same call.
 
 What survives a power loss: the claim's record, written durably (dra.state) after its files and
-before the kubelet hears the claim is prepared. The CDI spec (on /var/run/cdi, a tmpfs: gone after
-any reboot) and the metadata file are only written whole, without a sync: what a retried
-NodePrepare finds missing or not whole it writes again from the claim, so a record never answers
-for files that are not there.
+before the kubelet hears the claim is prepared. The CDI spec (on /var/run/cdi) and the metadata
+file (in the run directory, `--run-dir`), both on a tmpfs and so gone after any reboot, are only
+written whole, without a sync: what a retried NodePrepare finds missing or not whole it writes
+again from the claim, so a record never answers for files that are not there.
 """
 
 from __future__ import annotations
@@ -367,7 +367,11 @@ class ClaimPreparer:
             known = self._store.get(ref.uid)
             # The files are named after the claim, so one whose record was never written (a
             # crash between writing and recording) is still cleaned up.
-            files = known.files if known else self._paths.files_of(self._driver, ref.uid)
+            files = (
+                self._paths.with_earlier_places(known.files)
+                if known
+                else self._paths.files_of(self._driver, ref.uid)
+            )
             for name in files:
                 Path(name).unlink(missing_ok=True)
             # One lstat when there is none (every claim prepared since the files lay flat).

@@ -48,6 +48,10 @@ class Paths:
 
     cdi_dir: Path
     metadata_dir: Path
+    """In the run directory (a tmpfs): rebuilt from the record after a reboot, as the CDI spec."""
+    previous_metadata_dir: Path
+    """Where releases before the run directory wrote the metadata files (under the state
+    directory): claims they prepared still have theirs there, until unprepared."""
     handoff_dir: Path | None = None
     """Where the sockets of claims' iommufd hand-offs are; None when the driver publishes no
     iommufd slots."""
@@ -66,13 +70,28 @@ class Paths:
 
     def files_of(self, driver: str, uid: str) -> tuple[Path, ...]:
         """Every file on the host a prepare of the claim writes, found without its record (a
-        crash between writing them and recording it)."""
-        return (self.spec(driver, uid), *sorted(self.metadata_dir.glob(f"{uid}_*")))
+        crash between writing them and recording it), this release's or an earlier one's."""
+        return (
+            self.spec(driver, uid),
+            *sorted(self.metadata_dir.glob(f"{uid}_*")),
+            *sorted(self.previous_metadata_dir.glob(f"{uid}_*")),
+        )
+
+    def with_earlier_places(self, files: Iterable[str]) -> set[str]:
+        """A record's files, and where an earlier release wrote its metadata files: a claim it
+        prepared whose files were written again here (after a reboot) has them there still."""
+        named = set(files)
+        metadata_dir = str(self.metadata_dir)
+        for name in list(named):
+            directory, _, file = name.rpartition("/")
+            if directory == metadata_dir:
+                named.add(f"{self.previous_metadata_dir}/{file}")
+        return named
 
     def legacy_metadata_root(self, uid: str) -> Path:
         """The directory a claim prepared by a driver from before the files lay side by side has
         its metadata in (`<uid>/<request>/<file>`)."""
-        return self.metadata_dir / uid
+        return self.previous_metadata_dir / uid
 
     def handoff(self, uid: str) -> Path | None:
         """The socket of the claim's iommufd hand-off."""

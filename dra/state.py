@@ -5,14 +5,18 @@ is prepared, so a retried call, or one after a restart of ours, gets the same an
 the same devices taken; it is forgotten only after its files are gone. The files, not the memory,
 are the truth: during a rolling update the other instance of the driver prepares and unprepares in
 the same directory (`ClaimStore.refresh`), and marks each claim it unprepares
-(`<state_dir>/unprepared/<uid>`), so a prepare of that claim in either instance that was already
+(`<run_dir>/unprepared/<uid>`), so a prepare of that claim in either instance that was already
 reading it from the API server stops.
 
 What each file must survive: a record is durable before NodePrepare answers and its removal
 before NodeUnprepare answers (file and directory fsynced): a record lost to a power loss would
 set a VM's devices free for another claim, and one coming back would hold them for a claim the
 kubelet has let go of. An unprepared mark only needs to be seen by a prepare running at the same
-time, which a power loss ends too: it is made or touched, without a sync.
+time, which a reboot ends too: it lives in the run directory (a tmpfs, `--run-dir`), made or
+grown without a sync. Releases before the run directory kept the marks under the state directory
+(`<state_dir>/unprepared/`): those are still read, pruned, and for the first hour of a run (the
+rolling update that started it, when an instance of such a release may run beside this one)
+grown too where that directory is, so that neither instance misses the other's unprepare.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ RECORDS_MODE = 0o700
 _MARKS_KEPT_SECONDS = 3600.0
 # Old marks are looked for at most this often: not at every unprepare, which would read them all.
 _MARKS_PRUNED_EVERY_SECONDS = 60.0
+# Unprepared marks of the release before this one are grown for this long after a start (see the
+# module's docstring); older marks go after it.
+_PREVIOUS_MARKS_SECONDS = _MARKS_KEPT_SECONDS
 # What a record's field holds when the record has no such key (JSON null is None).
 _MISSING = object()
 
@@ -226,16 +233,20 @@ def _shown(value: object) -> str:
 
 
 class ClaimStore:
-    """Prepared claims by UID, kept in memory and in `<state_dir>/claims/<uid>.json`.
+    """Prepared claims by UID, kept in memory and in `<state_dir>/claims/<uid>.json`; the
+    unprepared marks in `<run_dir>/unprepared/`.
 
     The files are the truth: during a rolling update another instance of the driver prepares
     and unprepares claims in the same directory. `refresh` brings the memory up to the files,
     reading only the records that are new or changed since it last looked (by inode, size and
     times: a record is only ever replaced by a rename, never written in place)."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, run_dir: Path) -> None:
         self._dir = state_dir / "claims"
-        self._unprepared = state_dir / "unprepared"
+        self._unprepared = run_dir / "unprepared"
+        self._previous_unprepared = state_dir / "unprepared"
+        """Where releases before the run directory marked claims unprepared."""
+        self._started = time.monotonic()
         self._claims: dict[str, PreparedClaim] = {}
         self._seen: dict[str, _Stamp] = {}
         """Record file name -> its stamp when last read, or written by us."""
@@ -245,13 +256,17 @@ class ClaimStore:
         self._lock = threading.Lock()
 
     def load(self) -> None:
-        """Make the records directory and read every record. An unreadable one stops the driver
-        (StateError naming the file): skipping it would set its devices free for another claim
-        while a VM may have them."""
-        try:
-            make_private_directory(self._dir, RECORDS_MODE, "claim records directory")
-        except OSError as error:
-            raise StateError(f"claim records directory {self._dir}: {error.strerror}") from error
+        """Make the records and marks directories and read every record. An unreadable one
+        stops the driver (StateError naming the file): skipping it would set its devices free
+        for another claim while a VM may have them."""
+        for directory, what in (
+            (self._dir, "claim records directory"),
+            (self._unprepared, "unprepared marks directory"),
+        ):
+            try:
+                make_private_directory(directory, RECORDS_MODE, what)
+            except OSError as error:
+                raise StateError(f"{what} {directory}: {error.strerror}") from error
         self.refresh()
 
     def refresh(self) -> bool:
@@ -328,26 +343,38 @@ class ClaimStore:
         removed (looked for once a minute)."""
         try:
             _append_mark(self._unprepared / uid)
+            if time.monotonic() - self._started < _PREVIOUS_MARKS_SECONDS:
+                _append_mark(self._previous_unprepared / uid, make_directory=False)
             if time.monotonic() - self._marks_pruned >= _MARKS_PRUNED_EVERY_SECONDS:
                 self._marks_pruned = time.monotonic()
-                cutoff = time.time() - _MARKS_KEPT_SECONDS
-                for mark in self._unprepared.iterdir():
-                    _remove_if_older(mark, cutoff)
+                self._prune_marks(time.time() - _MARKS_KEPT_SECONDS)
         except OSError as error:
             raise StateError(
                 f"cannot mark {uid} unprepared in {self._unprepared}: {error.strerror}"
             ) from error
 
-    def unprepared_mark(self, uid: str) -> tuple[int, int] | None:
-        """Changes whenever the claim is unprepared: the file appears, or grows by a byte
-        (`_append_mark`)."""
+    def _prune_marks(self, cutoff: float) -> None:
+        for mark in self._unprepared.iterdir():
+            _remove_if_older(mark, cutoff)
+        if time.monotonic() - self._started < _PREVIOUS_MARKS_SECONDS:
+            return
+        # No instance of the release before the run directory runs beside this one any more:
+        # its marks go as they age, then their directory, and with it their cost.
         try:
-            info = (self._unprepared / uid).lstat()
+            for mark in self._previous_unprepared.iterdir():
+                _remove_if_older(mark, cutoff)
+            self._previous_unprepared.rmdir()
         except FileNotFoundError:
-            return None
+            return
         except OSError as error:
-            raise StateError(f"cannot read {self._unprepared / uid}: {error.strerror}") from error
-        return info.st_ino, info.st_size
+            if error.errno not in (errno.ENOTEMPTY, errno.ENOTDIR):
+                raise
+
+    def unprepared_mark(self, uid: str) -> tuple[tuple[int, int] | None, ...]:
+        """Changes whenever the claim is unprepared: its mark appears, or grows by a byte
+        (`_append_mark`), here or where an instance of the release before the run directory
+        marks it."""
+        return _mark_of(self._unprepared / uid), _mark_of(self._previous_unprepared / uid)
 
     def follow(self, changed: Callable[[], None], stop: threading.Event, interval: float) -> None:
         """Until `stop`, refresh every `interval` seconds and call `changed` when another
@@ -365,14 +392,28 @@ class ClaimStore:
                     log.error("re-reading the prepared claims failed: %s", error)
 
 
-def _append_mark(mark: Path) -> None:
+def _mark_of(mark: Path) -> tuple[int, int] | None:
+    try:
+        info = mark.lstat()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise StateError(f"cannot read {mark}: {error.strerror}") from error
+    return info.st_ino, info.st_size
+
+
+def _append_mark(mark: Path, *, make_directory: bool = True) -> None:
     """Make `mark`, or make it a byte longer: a change no clock can hide (a filesystem that keeps
     whole seconds rounds a time set on it back to the one it had), in one file made and no rename
-    (a mark needs no sync). O_NONBLOCK: a FIFO planted there must not hang the unprepare."""
+    (a mark needs no sync). O_NONBLOCK: a FIFO planted there must not hang the unprepare. Its
+    directory is made again if someone removed it, unless `make_directory` is False: then no
+    directory, no mark."""
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(mark, flags, 0o600)
     except FileNotFoundError:
+        if not make_directory:
+            return
         make_directories(mark.parent, RECORDS_MODE)
         fd = os.open(mark, flags, 0o600)
     except OSError as error:

@@ -84,6 +84,7 @@ def build_settings(root: Path, work: Path) -> DriverSettings:
         kubelet_dir=work / "kubelet",
         cdi_dir=work / "cdi",
         state_dir=work / "state",
+        run_dir=work / "run",
     )
 
 

@@ -119,7 +119,8 @@ def dra_args(root: Path, base: Path, tmp_path: Path) -> list[str]:
     kubeconfig = unreachable_kubeconfig(tmp_path / "kubeconfig")
     args = ["dra", "--node-name", NODE, "--root", str(root), "--kubeconfig", str(kubeconfig)]
     args += ["--kubelet-dir", str(base / "kubelet"), "--cdi-dir", str(base / "cdi")]
-    return [*args, "--state-dir", str(base / "state"), "--log-level", "error"]
+    args += ["--state-dir", str(base / "state"), "--run-dir", str(base / "run")]
+    return [*args, "--log-level", "error"]
 
 
 def test_dra_serves_the_kubelet_before_loading_the_api_client(
@@ -163,6 +164,7 @@ def test_dra_without_an_api_server_configuration_still_stops_with_the_fix(
     with short_directory() as base:
         args = ["--node-name", NODE, "--root", str(root), "--kubelet-dir", str(base / "kubelet")]
         args += ["--cdi-dir", str(base / "cdi"), "--state-dir", str(base / "state")]
+        args += ["--run-dir", str(base / "run")]
         args += ["--kubeconfig", str(tmp_path / "missing")]
         result = run_to_end([sys.executable, "-m", "kubevirt_iommufd", "dra", *args])
         left = sorted(p.name for p in (base / "kubelet").rglob("*.sock"))

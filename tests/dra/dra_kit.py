@@ -74,8 +74,9 @@ class Node:
     ) -> None:
         self.root = root
         self.claims = Claims()
-        self.paths = Paths(tmp / "cdi", tmp / "state" / "metadata")
+        self.paths = Paths(tmp / "cdi", tmp / "run" / "metadata", tmp / "state" / "metadata")
         self.state_dir = tmp / "state"
+        self.run_dir = tmp / "run"
         self.names = PciIds(None)
         self.config = config or default_config()
         self.kernel = kernel
@@ -93,7 +94,7 @@ class Node:
     def start(self, serialize: SerializeLock | None = None) -> ClaimPreparer:
         """A fresh preparer over the same directories, as after a restart of the driver; with
         `serialize`, held around its work as by an instance of a rolling update."""
-        store = ClaimStore(self.state_dir)
+        store = ClaimStore(self.state_dir, self.run_dir)
         store.load()
         host = HostCache(self.root, self.config, self.names)
         host.scan()
@@ -124,7 +125,7 @@ def short_directory() -> Iterator[Path]:
 
 
 def driver_settings(root: Path, base: Path, rescan_interval: float) -> DriverSettings:
-    """The driver on the simulated node at `root`, its kubelet, CDI and state directories
+    """The driver on the simulated node at `root`, its kubelet, CDI, state and run directories
     under `base`."""
     return DriverSettings(
         node=NODE,
@@ -133,6 +134,7 @@ def driver_settings(root: Path, base: Path, rescan_interval: float) -> DriverSet
         kubelet_dir=base / "kubelet",
         cdi_dir=base / "cdi",
         state_dir=base / "state",
+        run_dir=base / "run",
         rescan_interval=rescan_interval,
     )
 

@@ -19,6 +19,7 @@ from sim.apiserver import ApiServerStandIn
 from sim.dra_kubelet import DRAKubeletStandIn
 
 ScenarioRoot = Callable[[str], Path]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def dra(*args: str) -> list[str]:
@@ -41,11 +42,14 @@ def test_runs_registers_publishes_and_stops_on_sigterm(
                 "--kubelet-dir", "kubelet",
                 "--cdi-dir", "cdi",
                 "--state-dir", "state",
+                "--run-dir", "run",
                 "--kubeconfig", str(kubeconfig),
             ),
             stderr=subprocess.PIPE,
             text=True,
             cwd=base,
+            # This checkout's code, not what the venv has installed, from outside it.
+            env={**os.environ, "PYTHONPATH": str(REPO)},
         )  # fmt: skip
         try:
             with DRAKubeletStandIn(kubelet_dir, info_poll_interval=None) as kubelet:
@@ -88,7 +92,7 @@ def test_runs_registers_publishes_and_stops_on_sigterm(
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str, tmp_path: Path) -> None:
     done = subprocess.run(
-        dra(*args, "--state-dir", str(tmp_path / "state")),
+        dra(*args, "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path / "run")),
         capture_output=True,
         text=True,
         timeout=60,
@@ -114,6 +118,7 @@ def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
                 "--kubelet-dir", str(base / "kubelet"),
                 "--cdi-dir", str(base / "cdi"),
                 "--state-dir", str(base / "state"),
+                "--run-dir", str(base / "run"),
             ),
             capture_output=True,
             text=True,
@@ -135,6 +140,7 @@ def start_refused(root: Path, base: Path, kubeconfig: Path) -> subprocess.Comple
             "--kubelet-dir", str(base / "kubelet"),
             "--cdi-dir", str(base / "cdi"),
             "--state-dir", str(base / "state"),
+            "--run-dir", str(base / "run"),
             "--kubeconfig", str(kubeconfig),
         ),
         capture_output=True,
@@ -169,8 +175,13 @@ def give_to_another_user(path: Path) -> None:
         ("cdi", make_symlink, "CDI", "is a symbolic link", 0o755),
         ("state", give_to_another_user, "state", "is owned by uid 12345, not by root or by"
          " this process", 0o755),
+        ("run", make_world_writable, "run", "is writable by other users (mode 0777)", 0o755),
+        ("run", make_symlink, "run", "is a symbolic link", 0o755),
+        ("run", give_to_another_user, "run", "is owned by uid 12345, not by root or by"
+         " this process", 0o755),
     ],
-    ids=["state-0777", "cdi-0777", "state-symlink", "cdi-symlink", "state-other-user"],
+    ids=["state-0777", "cdi-0777", "state-symlink", "cdi-symlink", "state-other-user",
+         "run-0777", "run-symlink", "run-other-user"],
 )  # fmt: skip
 def test_a_directory_another_user_could_write_stops_the_start_with_one_line(
     scenario_root: ScenarioRoot,

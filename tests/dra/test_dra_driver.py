@@ -295,7 +295,7 @@ def test_every_directory_and_file_the_driver_makes_has_its_mode_under_umask_000(
                 assert kubelet.node_prepare_resources([claim])[claim.uid].error == ""
         finally:
             driver.stop()
-        state = base / "state"
+        state, run = base / "state", base / "run"
         # Only root writes anywhere. The runtime (root) reads the CDI specs and mounts the
         # metadata files, which KubeVirt reads in the launcher pod as uid 107: readable by all;
         # the claim records and binding journals are root's alone.
@@ -311,8 +311,10 @@ def test_every_directory_and_file_the_driver_makes_has_its_mode_under_umask_000(
                 state / "claims",
                 state / "claims" / f"{claim.uid}.json",
                 state / "bindings",
-                state / "metadata",
-                *(state / "metadata").iterdir(),
+                run,
+                run / "unprepared",
+                run / "metadata",
+                *(run / "metadata").iterdir(),
             )
         } == {
             "kubelet": "0o750",
@@ -324,22 +326,26 @@ def test_every_directory_and_file_the_driver_makes_has_its_mode_under_umask_000(
             "state/claims": "0o700",
             f"state/claims/{claim.uid}.json": "0o600",
             "state/bindings": "0o700",
-            "state/metadata": "0o755",
-            f"state/metadata/{claim.uid}_gpu_{DRIVER}-metadata.json": "0o644",
+            "run": "0o755",
+            "run/unprepared": "0o700",
+            "run/metadata": "0o755",
+            f"run/metadata/{claim.uid}_gpu_{DRIVER}-metadata.json": "0o644",
         }
 
 
 @pytest.mark.parametrize(
     ("directory", "what", "mode"),
     [
-        ("claims", "claim records directory", 0o700),
-        ("bindings", "binding journal directory", 0o700),
-        ("metadata", "metadata directory", 0o755),
+        ("state/claims", "claim records directory", 0o700),
+        ("state/bindings", "binding journal directory", 0o700),
+        ("run", "run directory", 0o755),
+        ("run/metadata", "metadata directory", 0o755),
+        ("run/unprepared", "unprepared marks directory", 0o700),
     ],
-    ids=["claims", "bindings", "metadata"],
+    ids=["claims", "bindings", "run", "metadata", "marks"],
 )
 @pytest.mark.parametrize("spoil", ["mode-0777", "symlink"])
-def test_a_state_subdirectory_another_user_could_write_is_refused_at_start(
+def test_a_directory_another_user_could_write_is_refused_at_start(
     scenario_root: ScenarioRoot,
     api_client: kubernetes.client.ApiClient,
     directory: str,
@@ -349,10 +355,10 @@ def test_a_state_subdirectory_another_user_could_write_is_refused_at_start(
 ) -> None:
     with short_directory() as base:
         settings = driver_settings(scenario_root("hgx-h100"), base, 0.2)
-        path = settings.state_dir / directory
+        path = base / directory
         if spoil == "symlink":
             (base / "elsewhere").mkdir(mode=0o700)
-            settings.state_dir.mkdir()
+            path.parent.mkdir(exist_ok=True)
             path.symlink_to(base / "elsewhere")
             problem = "is a symbolic link"
         else:

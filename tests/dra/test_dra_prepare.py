@@ -4,9 +4,11 @@ never given twice, state kept across a restart, every failure named per claim.""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -167,15 +169,103 @@ def test_a_claim_prepared_with_a_metadata_directory_of_its_own_is_unprepared_who
     answer = node.preparer.prepare([REF])[REF.uid]
     assert isinstance(answer, PreparedClaim)
     spec, flat = answer.files
-    legacy = node.paths.metadata_dir / REF.uid / "gpu" / f"{DRIVER}-metadata.json"
+    legacy = node.paths.previous_metadata_dir / REF.uid / "gpu" / f"{DRIVER}-metadata.json"
     legacy.parent.mkdir(parents=True)
     Path(flat).rename(legacy)
+    _rewrite_record(node, [spec, str(legacy)])
+    assert node.start().unprepare([REF]) == {REF.uid: None}
+    assert list(node.paths.previous_metadata_dir.iterdir()) == []
+    assert list(node.paths.metadata_dir.iterdir()) == []
+
+
+def _rewrite_record(node: Node, files: list[str]) -> None:
+    """The claim REF's record as a release that wrote its files elsewhere left it."""
     record = node.state_dir / "claims" / f"{REF.uid}.json"
     document = json.loads(record.read_text())
-    document["files"] = [spec, str(legacy)]
+    document["files"] = files
     record.write_text(json.dumps(document))
-    assert node.start().unprepare([REF]) == {REF.uid: None}
+
+
+def _as_the_previous_release_left_it(node: Node) -> tuple[str, Path]:
+    """REF prepared as by the release before the run directory: its metadata file under the
+    state directory, named as now, the record naming it there, and a mark of an earlier
+    unprepare beside it; the CDI spec and the new file."""
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim)
+    spec, metadata = answer.files
+    previous = node.paths.previous_metadata_dir / Path(metadata).name
+    previous.parent.mkdir(parents=True)
+    Path(metadata).rename(previous)
+    _rewrite_record(node, [spec, str(previous)])
+    (node.state_dir / "unprepared").mkdir(mode=0o700)
+    (node.state_dir / "unprepared" / OTHER.uid).write_bytes(b"\n")
+    return spec, previous
+
+
+def test_a_claim_the_previous_release_prepared_is_answered_and_unprepared_from_where_it_is(
+    node: Node,
+) -> None:
+    spec, previous = _as_the_previous_release_left_it(node)
+    restarted = node.start()
+    answer = restarted.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim) and answer.files == (spec, str(previous))
     assert list(node.paths.metadata_dir.iterdir()) == []
+    assert restarted.unprepare([REF]) == {REF.uid: None}
+    assert not Path(spec).exists() and not previous.exists()
+    assert list(node.paths.metadata_dir.iterdir()) == []
+
+
+def test_a_claim_the_previous_release_prepared_gets_its_files_here_after_a_reboot(
+    node: Node,
+) -> None:
+    """The reboot empties the tmpfs (CDI spec, run directory); the retried prepare writes the
+    metadata file into the run directory, and the unprepare removes the one the previous release
+    left under the state directory too."""
+    spec, previous = _as_the_previous_release_left_it(node)
+    Path(spec).unlink()
+    shutil.rmtree(node.run_dir)
+    restarted = node.start()
+    answer = restarted.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim)
+    (metadata,) = node.paths.metadata_dir.iterdir()
+    assert answer.files == (spec, str(metadata)) and metadata.name == previous.name
+    mounts = [m for d in json.loads(Path(spec).read_text())["devices"] for m in _mounts(d)]
+    assert [m["hostPath"] for m in mounts] == [str(metadata)]
+    assert restarted.unprepare([REF]) == {REF.uid: None}
+    assert not Path(spec).exists() and not metadata.exists() and not previous.exists()
+
+
+def _mounts(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = entry["containerEdits"].get("mounts", [])
+    return mounts
+
+
+def test_files_the_previous_release_wrote_before_a_crash_left_no_record_are_removed(
+    node: Node,
+) -> None:
+    spec, previous = _as_the_previous_release_left_it(node)
+    (node.state_dir / "claims" / f"{REF.uid}.json").unlink()
+    assert node.start().unprepare([REF]) == {REF.uid: None}
+    assert not Path(spec).exists() and not previous.exists()
+
+
+def test_after_a_reboot_a_recorded_claim_gets_its_run_files_again(node: Node) -> None:
+    """A reboot empties every tmpfs: the CDI spec and the run directory (metadata files, marks)
+    are gone while the record on disk says the claim is prepared. The kubelet prepares it again
+    at the driver's next start, which writes them all again from the claim."""
+    node.claims.add(REF, [("gpu", "pci-0000-18-00-0")])
+    answer = node.preparer.prepare([REF])[REF.uid]
+    assert isinstance(answer, PreparedClaim)
+    written = {Path(f): Path(f).read_bytes() for f in answer.files}
+    for path in written:
+        path.unlink()
+    shutil.rmtree(node.run_dir)
+    restarted = node.start()
+    assert restarted.prepare([REF])[REF.uid] == answer
+    assert {path: path.read_bytes() for path in written} == written
+    assert restarted.unprepare([REF]) == {REF.uid: None}
+    assert not any(path.exists() for path in written)
 
 
 def test_lost_cdi_files_are_written_again(node: Node) -> None:

@@ -26,7 +26,7 @@ from hostdev.bdf import Bdf
 DRIVER = "vfio.kubevirt-iommufd.io"
 POOL = "node-a"
 REF = ClaimRef("vms", "vm-gpus", "uid-1")
-PATHS = Paths(Path("/cdi"), Path("/state/metadata"))
+PATHS = Paths(Path("/cdi"), Path("/run/metadata"), Path("/state/metadata"))
 GPU_A, GPU_B, GPU_C = (
     Bdf.parse("0000:18:00.0"),
     Bdf.parse("0000:2a:00.0"),
@@ -179,8 +179,8 @@ def test_devices_on_vfio_get_their_files_and_record() -> None:
     assert isinstance(answer, WritePlan)
     suffix = f"{DRIVER}-metadata.json"
     assert [str(f.path) for f in answer.files] == [
-        f"/state/metadata/uid-1_gpu_{suffix}",
-        f"/state/metadata/uid-1_nic_{suffix}",
+        f"/run/metadata/uid-1_gpu_{suffix}",
+        f"/run/metadata/uid-1_nic_{suffix}",
         f"/cdi/{DRIVER}-claim_uid-1.json",
     ]
     gpu_metadata = json.loads(answer.files[0].content)
@@ -216,8 +216,8 @@ def test_devices_on_vfio_get_their_files_and_record() -> None:
         ),
         files=(
             f"/cdi/{DRIVER}-claim_uid-1.json",
-            f"/state/metadata/uid-1_gpu_{suffix}",
-            f"/state/metadata/uid-1_nic_{suffix}",
+            f"/run/metadata/uid-1_gpu_{suffix}",
+            f"/run/metadata/uid-1_nic_{suffix}",
         ),
     )
 
@@ -267,7 +267,7 @@ def test_a_subrequest_writes_where_the_kep_and_kubevirt_read_it() -> None:
     answer = plan(wanted, {GPU_A: on_vfio(GPU_A, 7), GPU_B: on_vfio(GPU_B, 8)})
     files = written(answer)
     suffix = f"{DRIVER}-metadata.json"
-    metadata = files[f"/state/metadata/uid-1_gpu_{suffix}"]
+    metadata = files[f"/run/metadata/uid-1_gpu_{suffix}"]
     assert isinstance(metadata, dict)
     # The file is the main request's; the document names the subrequest allocated.
     assert [r["name"] for r in metadata["requests"]] == ["gpu/high-memory"]
@@ -275,7 +275,7 @@ def test_a_subrequest_writes_where_the_kep_and_kubevirt_read_it() -> None:
     assert isinstance(spec, dict)
     mounts = {e["name"]: e["containerEdits"]["mounts"][0] for e in spec["devices"][2:]}
     assert mounts["uid-1-metadata-gpu"] == {
-        "hostPath": f"/state/metadata/uid-1_gpu_{suffix}",
+        "hostPath": f"/run/metadata/uid-1_gpu_{suffix}",
         "containerPath": "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-gpus/gpu/"
         + suffix,
         "options": ["ro", "nosuid", "nodev", "bind"],
@@ -299,7 +299,7 @@ def test_a_request_whose_metadata_would_not_be_the_claims_own_file_is_refused(
     assert isinstance(answer, Refusal)
     assert answer.message.startswith(f"{REF}: request ")
     assert "its metadata would be written at" in answer.message
-    assert "not as the claim's own file in /state/metadata" in answer.message
+    assert "not as the claim's own file in /run/metadata" in answer.message
     assert "something other than the API server answered" in answer.message
 
 

@@ -108,7 +108,7 @@ def test_the_store_refuses_a_bad_record_with_one_line_naming_the_file(
     text, problem = BAD_RECORDS[shape]
     path = write_record(tmp_path, text)
     with pytest.raises(StateError) as caught:
-        ClaimStore(tmp_path).load()
+        ClaimStore(tmp_path, tmp_path / "run").load()
     assert str(caught.value) == f"unreadable prepared-claim record {path}: {problem}; {FIX}"
 
 
@@ -156,7 +156,7 @@ def test_a_reader_given_somewhere_to_report_skips_bad_records(tmp_path: Path) ->
 def test_the_records_directory_and_records_are_roots_alone_under_umask_000(
     tmp_path: Path,
 ) -> None:
-    store = ClaimStore(tmp_path / "state")
+    store = ClaimStore(tmp_path / "state", tmp_path / "run")
     store.load()
     store.save(PreparedClaim.from_json(good_record()))
     claims = tmp_path / "state" / "claims"
@@ -175,7 +175,7 @@ def test_a_records_directory_others_can_write_is_refused(tmp_path: Path, mode: i
     claims.mkdir()
     claims.chmod(mode)
     with pytest.raises(UnsafeDirectory) as caught:
-        ClaimStore(tmp_path).load()
+        ClaimStore(tmp_path, tmp_path / "run").load()
     assert str(caught.value) == (
         f"claim records directory {claims} is writable by other users (mode {mode:04o}); make it"
         " a real directory owned by root with mode 0700"
@@ -186,17 +186,17 @@ def test_a_symlinked_records_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "elsewhere").mkdir(mode=0o700)
     (tmp_path / "claims").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(UnsafeDirectory, match="claims is a symbolic link; make it a real"):
-        ClaimStore(tmp_path).load()
+        ClaimStore(tmp_path, tmp_path / "run").load()
     assert not list((tmp_path / "elsewhere").iterdir())
 
 
 def test_marking_unprepared_ignores_what_else_lies_among_old_marks(tmp_path: Path) -> None:
     # A directory or a link someone left among the marks, an hour old: the sweep of old marks
     # must neither fail the unprepare (the kubelet would retry it for ever) nor follow the link.
-    store = ClaimStore(tmp_path)
+    store = ClaimStore(tmp_path, tmp_path / "run")
     store.load()
     store.mark_unprepared("first")
-    marks = tmp_path / "unprepared"
+    marks = tmp_path / "run" / "unprepared"
     (marks / "a-directory").mkdir()
     (marks / "a-directory" / "inside").write_bytes(b"")
     target = tmp_path / "outside"
@@ -212,7 +212,7 @@ def test_marking_unprepared_ignores_what_else_lies_among_old_marks(tmp_path: Pat
         store.mark_unprepared("second")
     assert sorted(p.name for p in marks.iterdir()) == ["a-directory", "second"]
     assert target.read_bytes() == b"kept"
-    assert store.unprepared_mark("second") is not None
+    assert store.unprepared_mark("second") != (None, None)
 
 
 def test_each_unprepare_changes_the_mark_even_within_one_tick_of_the_clock(
@@ -220,17 +220,17 @@ def test_each_unprepare_changes_the_mark_even_within_one_tick_of_the_clock(
 ) -> None:
     """A prepare compares the mark before and after its read of the claim: a second unprepare
     of the claim must change it even when the clock has not moved."""
-    store = ClaimStore(tmp_path)
+    store = ClaimStore(tmp_path, tmp_path / "run")
     store.load()
-    assert store.unprepared_mark("claim") is None
+    assert store.unprepared_mark("claim") == (None, None)
     monkeypatch.setattr(time, "time_ns", lambda: 1_000_000_000)
     store.mark_unprepared("claim")
     first = store.unprepared_mark("claim")
     store.mark_unprepared("claim")
     second = store.unprepared_mark("claim")
-    assert None is not first != second is not None
-    assert oct((tmp_path / "unprepared").stat().st_mode & 0o777) == "0o700"
-    assert oct((tmp_path / "unprepared" / "claim").stat().st_mode & 0o777) == "0o600"
+    assert (None, None) != first != second != (None, None)
+    assert oct((tmp_path / "run" / "unprepared").stat().st_mode & 0o777) == "0o700"
+    assert oct((tmp_path / "run" / "unprepared" / "claim").stat().st_mode & 0o777) == "0o600"
 
 
 def test_each_unprepare_changes_the_mark_on_a_filesystem_with_coarse_timestamps(
@@ -239,9 +239,9 @@ def test_each_unprepare_changes_the_mark_on_a_filesystem_with_coarse_timestamps(
     """ext4 with 128-byte inodes, vfat and some NFS exports keep whole (or 2) seconds: the kernel
     rounds a time set on the mark down to that, so a mark told apart by its time alone would not
     change. Here each time is put back as such a filesystem would keep it."""
-    store = ClaimStore(tmp_path)
+    store = ClaimStore(tmp_path, tmp_path / "run")
     store.load()
-    mark = tmp_path / "unprepared" / "claim"
+    mark = tmp_path / "run" / "unprepared" / "claim"
     store.mark_unprepared("claim")
     kept = mark.stat().st_mtime_ns // 1_000_000_000 * 1_000_000_000
     os.utime(mark, ns=(kept, kept))
@@ -249,14 +249,94 @@ def test_each_unprepare_changes_the_mark_on_a_filesystem_with_coarse_timestamps(
     store.mark_unprepared("claim")
     os.utime(mark, ns=(kept, kept))
     second = store.unprepared_mark("claim")
-    assert None is not first != second is not None
+    assert (None, None) != first != second != (None, None)
 
 
 def test_a_fifo_planted_as_the_mark_does_not_hang_the_unprepare(tmp_path: Path) -> None:
     """Opening a FIFO for writing waits for a reader, with the serialize lock held."""
-    store = ClaimStore(tmp_path)
+    store = ClaimStore(tmp_path, tmp_path / "run")
     store.load()
     store.mark_unprepared("other")
-    os.mkfifo(tmp_path / "unprepared" / "claim")
+    os.mkfifo(tmp_path / "run" / "unprepared" / "claim")
     with pytest.raises(StateError, match="not a regular file"):
         store.mark_unprepared("claim")
+
+
+def _an_hour_later(patch: pytest.MonkeyPatch) -> None:
+    monotonic = time.monotonic
+    patch.setattr(time, "monotonic", lambda: monotonic() + 3601)
+
+
+def test_marks_of_the_release_before_the_run_directory_are_seen_and_grown_during_its_update(
+    tmp_path: Path,
+) -> None:
+    """During the rolling update from the release that marked claims under the state directory,
+    each instance must see the other's unprepare: this one reads those marks too, and grows them
+    where that release made their directory (it makes it at its first unprepare)."""
+    store = ClaimStore(tmp_path / "state", tmp_path / "run")
+    store.load()
+    previous = tmp_path / "state" / "unprepared"
+    before = store.unprepared_mark("claim")
+    previous.mkdir(mode=0o700)
+    (previous / "claim").write_bytes(b"\n")  # the previous release's unprepare
+    seen = store.unprepared_mark("claim")
+    assert before != seen
+    store.mark_unprepared("claim")
+    after = store.unprepared_mark("claim")
+    assert seen != after
+    assert (previous / "claim").read_bytes() == b"\n\n"
+    assert (tmp_path / "run" / "unprepared" / "claim").read_bytes() == b"\n"
+
+
+def test_without_their_directory_no_marks_are_made_where_the_previous_release_kept_them(
+    tmp_path: Path,
+) -> None:
+    store = ClaimStore(tmp_path / "state", tmp_path / "run")
+    store.load()
+    store.mark_unprepared("claim")
+    assert not (tmp_path / "state" / "unprepared").exists()
+    assert [p.name for p in (tmp_path / "run" / "unprepared").iterdir()] == ["claim"]
+
+
+def test_an_hour_after_the_start_marks_of_the_previous_release_go_as_they_age(
+    tmp_path: Path,
+) -> None:
+    store = ClaimStore(tmp_path / "state", tmp_path / "run")
+    store.load()
+    previous = tmp_path / "state" / "unprepared"
+    previous.mkdir(mode=0o700)
+    for name in ("old", "young"):
+        (previous / name).write_bytes(b"\n")
+    old = time.time() - 7200
+    os.utime(previous / "old", (old, old))
+    with pytest.MonkeyPatch.context() as patch:
+        _an_hour_later(patch)
+        store.mark_unprepared("claim")
+        assert [p.name for p in previous.iterdir()] == ["young"]
+        (previous / "young").unlink()
+        _an_hour_later(patch)
+        store.mark_unprepared("other")
+    # Empty, and nobody needs it: gone, and with it the second file each unprepare made.
+    assert not previous.exists()
+    assert sorted(p.name for p in (tmp_path / "run" / "unprepared").iterdir()) == [
+        "claim",
+        "other",
+    ]
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_marks_are_roots_alone_under_umask_000_and_a_symlinked_marks_directory_is_refused(
+    tmp_path: Path,
+) -> None:
+    store = ClaimStore(tmp_path / "state", tmp_path / "run")
+    store.load()
+    store.mark_unprepared("claim")
+    marks = tmp_path / "run" / "unprepared"
+    assert stat.S_IMODE(marks.stat().st_mode) == 0o700
+    assert stat.S_IMODE((marks / "claim").stat().st_mode) == 0o600
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (marks / "claim").unlink()
+    marks.rmdir()
+    marks.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UnsafeDirectory, match="unprepared is a symbolic link; make it a real"):
+        ClaimStore(tmp_path / "state", tmp_path / "run").load()

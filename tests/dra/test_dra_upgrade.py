@@ -229,6 +229,7 @@ def test_the_command_takes_its_instance_from_the_pods_uid(
             sys.executable, "-m", "kubevirt_iommufd", "dra", "--node-name", NODE,
             "--root", str(scenario_root("hgx-h100")), "--kubelet-dir", str(kubelet_dir),
             "--cdi-dir", str(base / "cdi"), "--state-dir", str(base / "state"),
+            "--run-dir", str(base / "run"),
             "--kubeconfig", str(apiserver.write_kubeconfig(base / "kubeconfig")),
         ]  # fmt: skip
         env = {**os.environ, "POD_UID": OLD}
@@ -259,7 +260,7 @@ def test_the_command_takes_its_instance_from_the_pods_uid(
 def test_an_instance_uid_that_is_no_pod_uid_is_refused(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kubevirt_iommufd", "dra", "--node-name", "a",
-         "--state-dir", str(tmp_path / "state")],
+         "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path / "run")],
         env={**os.environ, "POD_UID": "../../etc"},
         capture_output=True, text=True, timeout=60, check=False, cwd=REPO,
     )  # fmt: skip
@@ -713,7 +714,7 @@ def _record(uid: str) -> PreparedClaim:
 def test_a_refresh_reads_only_the_records_another_instance_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mine, theirs = ClaimStore(tmp_path), ClaimStore(tmp_path)
+    mine, theirs = (ClaimStore(tmp_path, tmp_path / "run") for _ in "ab")
     mine.load()
     theirs.load()
     uids = [f"a1b2c3d4-0000-4000-8000-{n:012d}" for n in range(100)]

@@ -29,6 +29,7 @@ from manifests_kit import MANIFESTS, NAMESPACE, by_kind, one, read_documents, re
 NODE = "gpu-node-7"
 POD_UID = "3f6c1b2a-9d4e-4c1b-8a7f-0e2d5c6b7a81"
 STATE_ROOT = Path("/var/lib/kubevirt-iommufd")
+RUN_ROOT = Path("/var/run/kubevirt-iommufd")
 
 
 def pod_spec() -> dict[str, Any]:
@@ -113,6 +114,7 @@ def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
         str(kubelet / "plugins_registry"),
         str(args.cdi_dir),
         str(STATE_ROOT),
+        str(RUN_ROOT),
         "/",
         "/etc/kubernetes/node-feature-discovery/features.d",
     }
@@ -133,9 +135,14 @@ def test_the_driver_mounts_exactly_what_it_needs_at_the_hosts_paths() -> None:
         # Both pods of a rolling update lock the same file on the host.
         serialize_lock_path(kubelet, args.driver_name),
         args.state_dir / "claims",
+        # Claims prepared by the release before the run directory have their files here.
         args.state_dir / "metadata",
+        args.run_dir / "metadata",
+        args.run_dir / "unprepared",
     ):
         assert any(path.is_relative_to(host_path) for host_path in mounts), path
+    # The run directory is the host's tmpfs (/var/run is /run), apart from the state on disk.
+    assert args.run_dir.is_relative_to(RUN_ROOT) and not args.run_dir.is_relative_to(STATE_ROOT)
     # Not the host's /proc: with the host's PID namespace the pod's /proc is the host's.
     assert "/proc" not in mounts
     # The node labels' feature file, where nfd-worker reads it (--feature-file's default).
