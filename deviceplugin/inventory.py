@@ -10,7 +10,7 @@ from types import MappingProxyType
 
 from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
 from hostdev.bdf import Bdf
-from hostdev.config import DeviceMode, PluginConfig
+from hostdev.config import DeviceMode, PluginConfig, ResourceConfig
 from hostdev.device_nodes import IOMMU_NODE, build_device_nodes
 from hostdev.model import (
     HostCapabilities,
@@ -94,18 +94,47 @@ class DeviceTree:
         }
 
 
+Chosen = tuple[str, ResourceConfig] | None
+"""The resource a function joins, by name and configuration; None: none."""
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """Which resource each function of a fresh start joins: what serving and registering the
+    resources needs, known before any device's health is judged."""
+
+    chosen: Mapping[Bdf, Chosen]
+
+    def resources(self) -> dict[str, bool]:
+        """Each resource's name, in name order, and whether it resets devices after use."""
+        found: dict[str, bool] = {}
+        for chosen in self.chosen.values():
+            if chosen is not None:
+                found[chosen[0]] = found.get(chosen[0], False) or chosen[1].reset_after_use
+        return dict(sorted(found.items()))
+
+
+def assign_resources(inventory: HostInventory, config: PluginConfig, names: PciIds) -> Assignment:
+    """The resource of every function of a host that had no tree before."""
+    return Assignment(
+        {f.bdf: resource_for(f, config.resources, names) for f in inventory.functions}
+    )
+
+
 def build_device_tree(
     inventory: HostInventory,
     config: PluginConfig,
     names: PciIds,
     previous: DeviceTree | None = None,
+    assignment: Assignment | None = None,
 ) -> DeviceTree:
     """Assign functions to resources and judge their health.
 
     A function joins the first resource whose selectors it matches. Once in, it stays while it
     is present and its ids still match, even when the `drivers` selector no longer does: a
     device unbound from vfio-pci turns Unhealthy instead of vanishing from the kubelet's
-    capacity under a running VM.
+    capacity under a running VM. `assignment`: the resources already chosen for this inventory
+    (`assign_resources`, without a `previous` tree).
     """
     before = previous.members() if previous else {}
     caps = inventory.capabilities
@@ -135,7 +164,11 @@ def build_device_tree(
             and source.group == group
             and _same_objects(source.siblings, siblings)
         ):
-            chosen = resource_for(function, config.resources, names, before.get(function.bdf))
+            chosen = (
+                assignment.chosen.get(function.bdf)
+                if assignment is not None
+                else resource_for(function, config.resources, names, before.get(function.bdf))
+            )
             resource, reset = (chosen[0], chosen[1].reset_after_use) if chosen else (None, False)
             device = (
                 _device(function, group, siblings, caps, config.device_mode, shared_nodes)
