@@ -4,13 +4,13 @@ out for them. A pure function of the host inventory, the configuration and the p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from hostdev.assess import blockers, iommufd_gaps, legacy_gaps
 from hostdev.bdf import Bdf
-from hostdev.config import DeviceMode, PluginConfig, ResourceConfig
+from hostdev.config import DeviceMode, PluginConfig
 from hostdev.device_nodes import IOMMU_NODE, build_device_nodes
 from hostdev.model import (
     HostCapabilities,
@@ -94,31 +94,18 @@ class DeviceTree:
         }
 
 
-Chosen = tuple[str, ResourceConfig] | None
-"""The resource a function joins, by name and configuration; None: none."""
-
-
-@dataclass(frozen=True, slots=True)
-class Assignment:
-    """Which resource each function of a fresh start joins: what serving and registering the
-    resources needs, known before any device's health is judged."""
-
-    chosen: Mapping[Bdf, Chosen]
-
-    def resources(self) -> dict[str, bool]:
-        """Each resource's name, in name order, and whether it resets devices after use."""
-        found: dict[str, bool] = {}
-        for chosen in self.chosen.values():
-            if chosen is not None:
-                found[chosen[0]] = found.get(chosen[0], False) or chosen[1].reset_after_use
-        return dict(sorted(found.items()))
-
-
-def assign_resources(inventory: HostInventory, config: PluginConfig, names: PciIds) -> Assignment:
-    """The resource of every function of a host that had no tree before."""
-    return Assignment(
-        {f.bdf: resource_for(f, config.resources, names) for f in inventory.functions}
-    )
+def plan_resources(
+    functions: Iterable[PciFunction], config: PluginConfig, names: PciIds
+) -> dict[str, bool]:
+    """The resources `functions` make on a fresh start, in name order, and whether each resets
+    its devices after use: what serving and registering them needs, before any device's health
+    is judged."""
+    found: dict[str, bool] = {}
+    for function in functions:
+        chosen = resource_for(function, config.resources, names)
+        if chosen is not None:
+            found[chosen[0]] = found.get(chosen[0], False) or chosen[1].reset_after_use
+    return dict(sorted(found.items()))
 
 
 def build_device_tree(
@@ -126,15 +113,13 @@ def build_device_tree(
     config: PluginConfig,
     names: PciIds,
     previous: DeviceTree | None = None,
-    assignment: Assignment | None = None,
 ) -> DeviceTree:
     """Assign functions to resources and judge their health.
 
     A function joins the first resource whose selectors it matches. Once in, it stays while it
     is present and its ids still match, even when the `drivers` selector no longer does: a
     device unbound from vfio-pci turns Unhealthy instead of vanishing from the kubelet's
-    capacity under a running VM. `assignment`: the resources already chosen for this inventory
-    (`assign_resources`, without a `previous` tree).
+    capacity under a running VM.
     """
     before = previous.members() if previous else {}
     caps = inventory.capabilities
@@ -164,11 +149,7 @@ def build_device_tree(
             and source.group == group
             and _same_objects(source.siblings, siblings)
         ):
-            chosen = (
-                assignment.chosen.get(function.bdf)
-                if assignment is not None
-                else resource_for(function, config.resources, names, before.get(function.bdf))
-            )
+            chosen = resource_for(function, config.resources, names, before.get(function.bdf))
             resource, reset = (chosen[0], chosen[1].reset_after_use) if chosen else (None, False)
             device = (
                 _device(function, group, siblings, caps, config.device_mode, shared_nodes)
