@@ -1,5 +1,6 @@
 """A versioned value that many readers wait on: how a new device snapshot reaches every open
-ListAndWatch stream without polling."""
+ListAndWatch stream without polling. A feed made without a value holds None until the first
+`publish` (a resource registered before its devices' health is judged)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ T = TypeVar("T")
 
 
 class Feed(Generic[T]):
-    def __init__(self, value: T) -> None:
+    def __init__(self, value: T | None = None) -> None:
         self._changed = threading.Condition()
         self._value = value
         self._version = 0
@@ -22,11 +23,11 @@ class Feed(Generic[T]):
             self._version += 1
             self._changed.notify_all()
 
-    def current(self) -> tuple[int, T]:
+    def current(self) -> tuple[int, T | None]:
         with self._changed:
             return self._version, self._value
 
-    def wait_newer(self, version: int, timeout: float) -> tuple[int, T] | None:
+    def wait_newer(self, version: int, timeout: float) -> tuple[int, T | None] | None:
         """The value once its version passes `version` (or the same one after `timeout`, or
         on a `wake`); None once the feed is closed."""
         with self._changed:

@@ -4,7 +4,7 @@ out for them. A pure function of the host inventory, the configuration and the p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -92,6 +92,20 @@ class DeviceTree:
             r.name: sum(IOMMU_NODE in d.device_nodes for d in r.devices.values())
             for r in self.resources.values()
         }
+
+
+def plan_resources(
+    functions: Iterable[PciFunction], config: PluginConfig, names: PciIds
+) -> dict[str, bool]:
+    """The resources `functions` make on a fresh start, in name order, and whether each resets
+    its devices after use: what serving and registering them needs, before any device's health
+    is judged."""
+    found: dict[str, bool] = {}
+    for function in functions:
+        chosen = resource_for(function, config.resources, names)
+        if chosen is not None:
+            found[chosen[0]] = found.get(chosen[0], False) or chosen[1].reset_after_use
+    return dict(sorted(found.items()))
 
 
 def build_device_tree(

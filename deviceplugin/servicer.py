@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
+from types import MappingProxyType
 from typing import NoReturn, Protocol
 
 import grpc
@@ -50,16 +51,19 @@ def _vfio_snapshot(resource: VfioResource) -> api_pb2.ListAndWatchResponse:
 def _stream(
     feed: Feed[api_pb2.ListAndWatchResponse], context: grpc.ServicerContext
 ) -> Iterator[api_pb2.ListAndWatchResponse]:
+    """Each snapshot of `feed`, the first once there is one (a resource is registered before
+    its devices' health is judged, and the kubelet's first list must already tell it)."""
     version, snapshot = feed.current()
     context.add_callback(feed.wake)
-    yield snapshot
+    if snapshot is not None:
+        yield snapshot
     while context.is_active():
         newer = feed.wait_newer(version, _STREAM_POLL_SECONDS)
         if newer is None:
             return
-        if newer[0] != version:
-            version, snapshot = newer
-            yield snapshot
+        if newer[0] != version and newer[1] is not None:
+            version = newer[0]
+            yield newer[1]
 
 
 class _Streaming:
@@ -105,6 +109,23 @@ class VfioServicer(_Streaming):
         self._observe = observe
         self._allocated = allocated
         self.snapshots = Feed(_vfio_snapshot(resource))
+
+    @classmethod
+    def awaiting(
+        cls,
+        name: str,
+        observe: AllocationObserver,
+        *,
+        reset_after_use: bool = False,
+        allocated: AllocatedDevices | None = None,
+    ) -> VfioServicer:
+        """A resource served and registered before its devices are judged: ListAndWatch answers
+        at the first `update`, and until then Allocate knows no device."""
+        servicer = cls(
+            VfioResource(name, MappingProxyType({}), reset_after_use), observe, allocated=allocated
+        )
+        servicer.snapshots = Feed()
+        return servicer
 
     @property
     def resource(self) -> VfioResource:

@@ -3,9 +3,9 @@
 imported (they cost most of a start: issue 22), and `dra` has loaded neither its configuration
 (YAML) nor what recovers, reads the host and prepares: its GetInfo comes from grpc and the
 stubs. `plugin` serves and registers each resource before loading what only comes after: the
-metrics server, reset after use (for resources without it), the node labels. The daemons run as
-processes, each through a wrapper that notes the heavy modules already imported whenever a gRPC
-socket starts serving."""
+metrics server, reset after use (for resources without it), the node labels and the writer
+of their feature file. The daemons run as processes, each through a wrapper that notes the heavy
+modules already imported whenever a gRPC socket starts serving."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ PLUGIN_LATER = (
     "hostdev.binding.reset",
     "hostdev.binding.lock",
     "hostdev.labels.node_labels",
+    "hostdev.atomic_file",
     "uuid",
 )
 WRAPPER = """

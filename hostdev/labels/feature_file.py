@@ -14,8 +14,6 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-from hostdev.atomic_file import sync_directory, write_file_atomically
-
 log = logging.getLogger(__name__)
 
 
@@ -41,6 +39,10 @@ class FeatureFile:
         content = build_feature_file(labels, self._writer)
         if content == self._written:
             return
+        # Loaded at the first write, after the kubelet knows the component: with tempfile, about
+        # 3 ms of a start.
+        from hostdev.atomic_file import write_file_atomically
+
         try:
             write_file_atomically(self.path, content)
         except OSError as error:
@@ -58,6 +60,8 @@ class FeatureFile:
 
     def remove(self) -> None:
         """Take the file away (a clean stop): NFD then drops the labels."""
+        from hostdev.atomic_file import sync_directory
+
         self._written = None
         try:
             self.path.unlink(missing_ok=True)

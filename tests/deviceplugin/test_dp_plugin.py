@@ -13,7 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+import deviceplugin.manager as manager_module
+from deviceplugin.identities import read_identities
 from dp_kit import GPUS, H100, IOMMUFD, Plugin
+from hostdev.bdf import Bdf
 from hostdev.config import (
     DeviceMode,
     PluginConfig,
@@ -21,6 +24,7 @@ from hostdev.config import (
     Selectors,
     default_config,
 )
+from hostdev.model import PciFunction
 from sim.host import bind_driver, unbind_driver
 
 
@@ -33,6 +37,8 @@ def test_registers_both_resources_with_topology(start_plugin: Callable[..., Plug
     assert not h100.options.pre_start_required
     assert h100.request.options == h100.options
     assert plugin.kubelet.health(H100) == dict.fromkeys(GPUS, "Healthy")
+    # Registered before the devices were judged, yet the first list already tells them all.
+    assert h100.snapshots[0][1] == dict.fromkeys(GPUS, "Healthy")
     assert h100.topology == {gpu: [0] if i < 4 else [1] for i, gpu in enumerate(GPUS)}
     iommufd = plugin.kubelet.wait_registered(IOMMUFD)
     assert len(iommufd.snapshots[-1][1]) == 110
@@ -143,6 +149,37 @@ def test_kubelet_restart_means_reregistration(start_plugin: Callable[..., Plugin
     assert kubelet.health(H100) == dict.fromkeys(GPUS, "Healthy")
     assert again.request.endpoint == "kubevirt-iommufd-nvidia.com_GH100H100_SXM5_80GB.sock"
     assert kubelet.allocate(H100, ["0000:18:00.0"]).container_responses
+
+
+def test_resource_only_the_first_look_saw_is_withdrawn(
+    start_plugin: Callable[..., Plugin], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A function bound or removed between the first look and the scan: the scan decides."""
+
+    def with_ghost(root: Path) -> tuple[PciFunction, ...]:
+        found = read_identities(root)
+        gpu = next(f for f in found if str(f.bdf) == GPUS[0])
+        return (*found, replace(gpu, bdf=Bdf.parse("0000:fe:00.0"), device_id=0x2331))
+
+    monkeypatch.setattr(manager_module, "read_identities", with_ghost)
+    plugin = start_plugin()
+    kubelet = plugin.kubelet
+    kubelet.wait_registered(H100)
+    kubelet.wait_registered(IOMMUFD)
+    assert list(plugin.manager.tree.resources) == [H100]
+    assert not (kubelet.directory / "kubevirt-iommufd-nvidia.com_2331.sock").exists()
+    ghosts = [r for r in kubelet.registrations if r.request.resource_name == "nvidia.com/2331"]
+    kubelet.wait_for(lambda: all(r.stream_ended for r in ghosts), 2)
+    assert all(r.snapshots == [] for r in ghosts)
+
+
+def test_resource_the_first_look_missed_registers_after_the_scan(
+    start_plugin: Callable[..., Plugin], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(manager_module, "read_identities", lambda root: ())
+    plugin = start_plugin()
+    assert plugin.kubelet.wait_registered(H100).snapshots[0][1] == dict.fromkeys(GPUS, "Healthy")
+    plugin.kubelet.wait_registered(IOMMUFD)
 
 
 def test_plugin_started_before_its_kubelet(start_plugin: Callable[..., Plugin]) -> None:
