@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-import dra.binding
 from dra.binding import BindingError, JournalEntry, OnDemandBinder
 from hostdev.bdf import Bdf
 from hostdev.binding.bind import HostAccess
@@ -82,7 +81,7 @@ def _listings(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         listed.append(Path(path))
         return real(path)
 
-    monkeypatch.setattr(dra.binding.os, "listdir", counted)
+    monkeypatch.setattr(os, "listdir", counted)
     return listed
 
 
