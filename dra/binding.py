@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -49,6 +50,10 @@ _WHY = {
     "bound": "its claim is no longer prepared",
     "releasing": "giving them back was interrupted",
 }
+_SETTLED_NS = 1_000_000_000
+"""How long ago the journal directory must have last changed for its listing to be kept on its
+stamp: file systems stamp a change with a clock that moves in ticks (milliseconds apart), so a
+change in the same tick as the listing could leave the stamp as it was."""
 
 
 class BindingError(Exception):
@@ -158,6 +163,9 @@ class OnDemandBinder:
         self._dir = journal_dir
         self._lock_wait = lock_wait
         self._nodes_wait = nodes_wait
+        self._listed: tuple[tuple[int, int, int], tuple[Path, ...]] | None = None
+        """The journal directory's stamp (inode, mtime, ctime) and its entries' files as listed
+        then, kept while the directory is unchanged (`_journal_files`)."""
 
     # Prepare ---------------------------------------------------------------------------------
     def bind(
@@ -358,12 +366,32 @@ class OnDemandBinder:
 
     def _entries(self) -> Iterator[tuple[Path, JournalEntry | Exception]]:
         """Every entry of the journal, or why it cannot be read."""
-        for path in _journal_files(self._dir):
+        for path in self._journal_files():
             try:
                 entry: JournalEntry | Exception = _read_entry(path)
             except (OSError, ValueError, RecursionError) as error:
                 entry = error
             yield path, entry
+
+    def _journal_files(self) -> tuple[Path, ...]:
+        """The entries' files, in order, without the temporary files of writes under way
+        (dotted); none when the directory cannot be listed. Looked at by every prepare (up to
+        three times) and unprepare, and mostly empty: listed again only when its stamp changed
+        or it changed too recently for the stamp to tell (_SETTLED_NS)."""
+        now = time.time_ns()
+        try:
+            info = self._dir.stat()
+            stamp = (info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+            if self._listed is not None and self._listed[0] == stamp:
+                return self._listed[1]
+            names = os.listdir(self._dir)  # noqa: PTH208 - names only; iterdir makes a Path each
+        except OSError:
+            self._listed = None
+            return ()
+        files = tuple(self._dir / n for n in sorted(names) if n.endswith(".json") and n[0] != ".")
+        settled = now - info.st_mtime_ns >= _SETTLED_NS
+        self._listed = (stamp, files) if settled else None
+        return files
 
     def _path(self, claim_uid: str) -> Path:
         return self._dir / f"{claim_uid}.json"
@@ -387,17 +415,6 @@ class OnDemandBinder:
         self._path(claim_uid).unlink(missing_ok=True)
         if self._dir.is_dir():
             sync_directory(self._dir)
-
-
-def _journal_files(directory: Path) -> list[Path]:
-    """The entries' files, in order, without the temporary files of writes under way (dotted);
-    none when the directory cannot be listed. One directory read: listed at every prepare and
-    unprepare, mostly empty."""
-    try:
-        names = os.listdir(directory)  # noqa: PTH208 - names only; iterdir makes a Path of each
-    except OSError:
-        return []
-    return [directory / n for n in sorted(names) if n.endswith(".json") and n[0] != "."]
 
 
 def _read_entry(path: Path) -> JournalEntry:

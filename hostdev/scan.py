@@ -529,9 +529,17 @@ def _link_name(path: str) -> str | None:
 
 
 def _read_optional_text(path: Path) -> str | None:
+    """The file's text, stripped; None when it is missing or blank. Read with `os` calls: every
+    prepare reads the host's capabilities again, and a text file object costs an fstat, an
+    ioctl and a seek more per file."""
     try:
-        return path.read_text(encoding="ascii", errors="replace").strip() or None
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = b"".join(iter(lambda: os.read(fd, 4096), b""))
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         return None
     except OSError as error:
         raise HostReadError(str(path), error.strerror or str(error), _READ_FIX) from error
+    return data.decode("ascii", "replace").strip() or None

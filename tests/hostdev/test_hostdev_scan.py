@@ -380,3 +380,21 @@ def test_refresh_keeps_untouched_functions_on_a_kernel_without_vfio_entries(
     after = refresh_host(root, before, [])
     assert all(a is b for a, b in zip(after.functions, before.functions, strict=True))
     assert after == scan_host(root)
+
+
+def test_capability_texts_are_read_whole_stripped_and_blank_reads_as_none(
+    scenario_root: ScenarioRoot,
+) -> None:
+    """The capability files are read with `os` calls (hostdev.scan._read_optional_text): the
+    text is whole past one 4,096-byte read, stripped, undecodable bytes replaced, and a blank or
+    missing file reads as None, as a text read gave."""
+    root = scenario_root("hgx-h100")
+    release = "6.12.0-" + "x" * 5000
+    (root / "proc/sys/kernel/osrelease").write_bytes(f"  {release}\xff\n".encode("latin-1"))
+    (root / "sys/class/misc/iommu/dev").write_bytes(b" \n")
+    caps = scan_host(root).capabilities
+    assert caps.kernel_release == release + "\ufffd"
+    assert caps.iommufd_devnum is None
+    (root / "proc/sys/kernel/osrelease").unlink()
+    part = refresh_host(root, scan_host(root), [B("0000:18:00.0")]).capabilities
+    assert part.kernel_release is None
