@@ -151,7 +151,7 @@ class PluginManager:
         return self._tree
 
     def start(self) -> None:
-        """Watch, serve every resource and register it, then label the node and poll.
+        """Serve every resource and register it, watch, then label the node and poll.
 
         The iommufd slots need no scan: they are served first. The VFIO resources follow from a
         first look at each function's ids and driver (`read_identities`, two reads a function);
@@ -162,8 +162,6 @@ class PluginManager:
         190-250 ms, judging 80 ms and building the list 25 ms)."""
         make_directories(self._kubelet_dir, SOCKET_DIRECTORY_MODE)
         remove_stale_sockets(self._kubelet_dir)
-        for watch in self._watches:
-            watch.start()
         under_way: dict[str, Future[None]] = {}
         if self._config.iommufd.enabled and self._handoff is not None:
             iommufd = self._config.iommufd
@@ -191,6 +189,7 @@ class PluginManager:
             self._serve(name, servicer)
             if (self._kubelet_dir / KUBELET_SOCKET).exists():
                 under_way[name] = self._register_async(name)
+        self._start_watches()
         self._inventory = scan_host(self._root)
         self._scanned = build_device_tree(self._inventory, self._config, self._names)
         self._apply(self._published(), "start")
@@ -203,6 +202,17 @@ class PluginManager:
         if self._poller is not None:
             self._poller.start()
         self.ready.set()
+
+    def _start_watches(self) -> None:
+        """Watch once every resource is served and its registration under way (inotify and
+        ctypes load on the start: 4-9 ms), before the scan: a device that changes after the scan
+        read it is an event. A socket removed before the watch began is told as the watch would
+        have told it; a kubelet that started meanwhile is met by `_register_pending`."""
+        for watch in self._watches:
+            watch.start()
+        for server in self._servers.values():
+            if not server.present:
+                self._events.put(SocketRemoved(server.path.name))
 
     def run(self) -> None:
         """Handle events until `stop()`, then tear down."""

@@ -13,17 +13,15 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Generic, TypeVar
-
-from inotify_simple import INotify, flags
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from hostdev.bdf import Bdf, is_bdf
 from hostdev.device_events import POLL_MS, DevicesChanged
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from inotify_simple import INotify
 
-_CHANGES = flags.CREATE | flags.DELETE | flags.MOVED_TO | flags.MOVED_FROM
-_APPEARS = flags.CREATE | flags.MOVED_TO
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Translate = Callable[[str, bool], T | None]
@@ -47,20 +45,29 @@ class DeviceWatch(Generic[T]):
         self._dev_cdevs = root / "dev/vfio/devices"
         self._pci_devices = root / "sys/bus/pci/devices"
         self._drivers = root / "sys/bus/pci/drivers"
-        self._inotify = INotify()
+        self._inotify: INotify | None = None
         self._paths: dict[int, Path] = {}
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._name = name
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._sync_watches(initial=True)
+        # Loaded here, with ctypes: 4 ms that a daemon's start spends only once it serves.
+        from inotify_simple import INotify
+
+        inotify = self._inotify = INotify()
+        self._sync_watches(inotify, initial=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(inotify,), name=self._name, daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping.set()
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join()
-        self._inotify.close()
+        if self._inotify is not None:
+            self._inotify.close()
 
     def _wanted(self) -> list[Path]:
         fixed = [
@@ -77,13 +84,16 @@ class DeviceWatch(Generic[T]):
             drivers = []
         return [p for p in fixed + drivers if p.is_dir()]
 
-    def _sync_watches(self, *, initial: bool = False) -> None:
+    def _sync_watches(self, inotify: INotify, *, initial: bool = False) -> None:
+        from inotify_simple import flags
+
+        changes = flags.CREATE | flags.DELETE | flags.MOVED_TO | flags.MOVED_FROM | flags.ONLYDIR
         watched = set(self._paths.values())
         for path in self._wanted():
             if path in watched:
                 continue
             try:
-                wd = self._inotify.add_watch(path, _CHANGES | flags.ONLYDIR)
+                wd = inotify.add_watch(path, changes)
             except OSError as error:
                 log.warning("cannot watch path=%s error=%r", path, error.strerror or str(error))
                 continue
@@ -101,10 +111,13 @@ class DeviceWatch(Generic[T]):
         if bound:
             self._emit(DevicesChanged(bound, f"bound to {driver.name}", reprobed=True))
 
-    def _run(self) -> None:
+    def _run(self, inotify: INotify) -> None:
+        from inotify_simple import flags
+
+        appears = flags.CREATE | flags.MOVED_TO
         while not self._stopping.is_set():
             try:
-                events = self._inotify.read(timeout=POLL_MS)
+                events = inotify.read(timeout=POLL_MS)
             except OSError as error:
                 log.error("inotify read failed error=%r; relying on periodic re-scans", str(error))
                 return
@@ -120,7 +133,7 @@ class DeviceWatch(Generic[T]):
                 directory = self._paths.get(event.wd)
                 if directory is None:
                     continue
-                appeared = bool(event.mask & _APPEARS)
+                appeared = bool(event.mask & appears)
                 resync |= appeared and bool(event.mask & flags.ISDIR)
                 translate = self._extra.get(directory)
                 translated = (
@@ -131,7 +144,7 @@ class DeviceWatch(Generic[T]):
                 if translated is not None:
                     self._emit(translated)
             if resync:
-                self._sync_watches()
+                self._sync_watches(inotify)
 
     def _device_event(self, directory: Path, name: str, appeared: bool) -> DevicesChanged | None:
         verb = "appeared" if appeared else "disappeared"

@@ -6,6 +6,7 @@ checked at the first look-up, so a malformed database is refused whichever names
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,23 +20,38 @@ DEFAULT_PATHS = (
     Path("/usr/share/pci.ids"),
 )
 
-_VENDOR = re.compile(r"([0-9a-f]{4})  (.+)")
-_DEVICE = re.compile(r"\t([0-9a-f]{4})  (.+)")
-_SUBSYSTEM = re.compile(r"\t\t([0-9a-f]{4}) ([0-9a-f]{4})  (.+)")
-_CLASS = re.compile(r"C ([0-9a-f]{2})  (.+)")
-_SUBCLASS = re.compile(r"\t([0-9a-f]{2})  (.+)")
-_PROG_IF = re.compile(r"\t\t([0-9a-f]{2})  (.+)")
-# The whole text at once, in C: section headers, and what makes a file suspect, which then is
-# read line by line as before to say which line is wrong.
-_HEADER = re.compile(r"^(?:([0-9a-f]{4})|C ([0-9a-f]{2}))  (.+)$", re.M)
-_ODD_LINE = re.compile(
-    r"^(?![0-9a-f]{4}  .|\t[0-9a-f]{4}  .|\t\t[0-9a-f]{4} [0-9a-f]{4}  .|C [0-9a-f]{2}  ."
-    r"|\t\t?[0-9a-f]{2}  .|#|[ \t]*$)",
-    re.M,
-)
-_CLASS_FORM = re.compile(r"^\t\t?[0-9a-f]{2}  ", re.M)
-_SUBSYSTEM_FIRST = re.compile(r"^[0-9a-f]{4}  .*\n(?:(?:#.*|[ \t]*)\n)*\t\t", re.M)
-_VENDOR_LINES = re.compile(r"^\t([0-9a-f]{4})  (.+)$|^\t\t([0-9a-f]{4}) ([0-9a-f]{4})  (.+)$", re.M)
+
+class _Grammar:
+    """The database's line forms, compiled at the first look-up: compiling them cost each
+    daemon's start 3 ms before it could serve (issue 22), and most never look a name up."""
+
+    def __init__(self) -> None:
+        self.vendor = re.compile(r"([0-9a-f]{4})  (.+)")
+        self.device = re.compile(r"\t([0-9a-f]{4})  (.+)")
+        self.subsystem = re.compile(r"\t\t([0-9a-f]{4}) ([0-9a-f]{4})  (.+)")
+        self.klass = re.compile(r"C ([0-9a-f]{2})  (.+)")
+        self.subclass = re.compile(r"\t([0-9a-f]{2})  (.+)")
+        self.prog_if = re.compile(r"\t\t([0-9a-f]{2})  (.+)")
+        # The whole text at once, in C: section headers, and what makes a file suspect, which
+        # then is read line by line as before to say which line is wrong.
+        self.header = re.compile(r"^(?:([0-9a-f]{4})|C ([0-9a-f]{2}))  (.+)$", re.M)
+        self.odd_line = re.compile(
+            r"^(?![0-9a-f]{4}  .|\t[0-9a-f]{4}  .|\t\t[0-9a-f]{4} [0-9a-f]{4}  .|C [0-9a-f]{2}  ."
+            r"|\t\t?[0-9a-f]{2}  .|#|[ \t]*$)",
+            re.M,
+        )
+        self.class_form = re.compile(r"^\t\t?[0-9a-f]{2}  ", re.M)
+        self.subsystem_first = re.compile(r"^[0-9a-f]{4}  .*\n(?:(?:#.*|[ \t]*)\n)*\t\t", re.M)
+        self.vendor_lines = re.compile(
+            r"^\t([0-9a-f]{4})  (.+)$|^\t\t([0-9a-f]{4}) ([0-9a-f]{4})  (.+)$", re.M
+        )
+
+
+@functools.cache
+def _grammar() -> _Grammar:
+    return _Grammar()
+
+
 _OTHER_BREAKS = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 """Where str.splitlines breaks a line besides "\n"."""
 
@@ -62,9 +78,10 @@ class _Index:
         known = self.parsed.get(vendor)
         if known is None:
             known = _Devices()
+            grammar = _grammar()
             for start, end in self.spans.get(vendor, ()):
                 device: int | None = None
-                for match in _VENDOR_LINES.finditer(self.text, start, end):
+                for match in grammar.vendor_lines.finditer(self.text, start, end):
                     if match[1] is not None:
                         device = int(match[1], 16)
                         known.devices[device] = match[2]
@@ -129,7 +146,8 @@ def _read_index(path: Path) -> _Index:
 def _build_index(text: str) -> tuple[_Index, bool]:
     """Vendors, classes and where each vendor's devices are, and whether any line may be
     malformed or out of place."""
-    headers = list(_HEADER.finditer(text))
+    grammar = _grammar()
+    headers = list(grammar.header.finditer(text))
     starts = [h.start() for h in headers] + [len(text)]
     index = _Index(text)
     suspect = False
@@ -142,12 +160,12 @@ def _build_index(text: str) -> tuple[_Index, bool]:
         elif not _read_classes(int(header[2], 16), header[3], text[span[0] : span[1]], index):
             suspect = True
     suspect = suspect or bool(
-        _ODD_LINE.search(text)
+        grammar.odd_line.search(text)
         or re.search(r"^\t+[0-9a-f]", text[: starts[0]], re.M)
-        or _SUBSYSTEM_FIRST.search(text)
+        or grammar.subsystem_first.search(text)
     )
     # Class-shaped lines belong below a class header.
-    for line in _CLASS_FORM.finditer(text):
+    for line in grammar.class_form.finditer(text):
         owner = bisect.bisect_right(starts, line.start()) - 1
         suspect = suspect or owner < 0 or headers[owner][2] is None
     return index, suspect
@@ -156,15 +174,16 @@ def _build_index(text: str) -> tuple[_Index, bool]:
 def _read_classes(klass: int, name: str, block: str, index: _Index) -> bool:
     """A class's subclasses and programming interfaces into `index`; False on a line that does
     not belong there."""
+    grammar = _grammar()
     index.classes[(klass,)] = name
     subclass: int | None = None
     for line in block.split("\n"):
         if not line.strip() or line.startswith("#"):
             continue
-        if match := _SUBCLASS.fullmatch(line):
+        if match := grammar.subclass.fullmatch(line):
             subclass = int(match[1], 16)
             index.classes[(klass, subclass)] = match[2]
-        elif subclass is not None and (match := _PROG_IF.fullmatch(line)):
+        elif subclass is not None and (match := grammar.prog_if.fullmatch(line)):
             index.classes[(klass, subclass, int(match[1], 16))] = match[2]
         else:
             return False
@@ -174,19 +193,20 @@ def _read_classes(klass: int, name: str, block: str, index: _Index) -> bool:
 def _check_lines(path: Path, text: str) -> None:
     """Read every line in order, as a database is read; PciIdsError names the first line that
     does not belong where it is."""
+    grammar = _grammar()
     vendor = device = klass = subclass = False
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or line.startswith("#"):
             continue
-        if _VENDOR.fullmatch(line):
+        if grammar.vendor.fullmatch(line):
             vendor, device, klass = True, False, False
-        elif _CLASS.fullmatch(line):
+        elif grammar.klass.fullmatch(line):
             klass, subclass, vendor = True, False, False
-        elif klass and _SUBCLASS.fullmatch(line):
+        elif klass and grammar.subclass.fullmatch(line):
             subclass = True
-        elif klass and subclass and _PROG_IF.fullmatch(line):
+        elif klass and subclass and grammar.prog_if.fullmatch(line):
             pass
-        elif vendor and _DEVICE.fullmatch(line):
+        elif vendor and grammar.device.fullmatch(line):
             device = True
-        elif not (vendor and device and _SUBSYSTEM.fullmatch(line)):
+        elif not (vendor and device and grammar.subsystem.fullmatch(line)):
             raise PciIdsError(str(path), number, f"unexpected line {line[:60]!r}")

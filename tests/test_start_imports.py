@@ -4,8 +4,9 @@ imported (they cost most of a start: issue 22), and `dra` has loaded neither its
 (YAML) nor what recovers, reads the host and prepares: its GetInfo comes from grpc and the
 stubs. `plugin` serves and registers each resource before loading what only comes after: the
 metrics server, reset after use (for resources without it), the node labels and the writer
-of their feature file. The daemons run as processes, each through a wrapper that notes the heavy
-modules already imported whenever a gRPC socket starts serving."""
+of their feature file, and the inotify watch (which then tells a socket removed before it
+began). The daemons run as processes, each through a wrapper that notes the heavy modules
+already imported whenever a gRPC socket starts serving."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ PLUGIN_LATER = (
     "hostdev.labels.node_labels",
     "hostdev.atomic_file",
     "uuid",
+    "inotify_simple",
 )
 WRAPPER = """
 import json, sys

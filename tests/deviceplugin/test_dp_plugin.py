@@ -15,6 +15,7 @@ import pytest
 
 import deviceplugin.manager as manager_module
 from deviceplugin.identities import read_identities
+from deviceplugin.registration import socket_name
 from dp_kit import GPUS, H100, IOMMUFD, Plugin
 from hostdev.bdf import Bdf
 from hostdev.config import (
@@ -180,6 +181,35 @@ def test_resource_the_first_look_missed_registers_after_the_scan(
     plugin = start_plugin()
     assert plugin.kubelet.wait_registered(H100).snapshots[0][1] == dict.fromkeys(GPUS, "Healthy")
     plugin.kubelet.wait_registered(IOMMUFD)
+
+
+def test_a_socket_removed_before_the_watch_began_is_served_again(
+    start_plugin: Callable[..., Plugin], short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watch starts once the resources are served and registering: a socket the kubelet
+    removed in between is noticed all the same."""
+    path = short_dir / "kubelet" / socket_name(IOMMUFD)
+    removed_at: list[float] = []
+
+    def removing_first(root: Path) -> tuple[PciFunction, ...]:
+        # Runs after the iommufd resource is served and its registration sent, before the
+        # watch starts; the stand-in has it registered within milliseconds.
+        time.sleep(1)
+        path.unlink()
+        removed_at.append(time.monotonic())
+        return read_identities(root)
+
+    monkeypatch.setattr(manager_module, "read_identities", removing_first)
+    kubelet = start_plugin().kubelet
+    kubelet.wait_registered(H100)
+
+    def served_again() -> bool:
+        return path.exists() and any(
+            r.request.resource_name == IOMMUFD and r.at > removed_at[0] and r.snapshots
+            for r in kubelet.registrations
+        )
+
+    kubelet.wait_for(served_again, 5)
 
 
 def test_plugin_started_before_its_kubelet(start_plugin: Callable[..., Plugin]) -> None:
