@@ -8,19 +8,11 @@ misses or misreads only moves its resource's registration after the scan.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from hostdev.bdf import Bdf, is_bdf
 from hostdev.model import PciFunction
-from hostdev.scan import PCI_DEVICES
-
-# The kernel's pci modalias: vendor, device, subsystem vendor and device, base class, subclass,
-# programming interface.
-_MODALIAS = re.compile(
-    rb"pci:v([0-9A-F]{8})d([0-9A-F]{8})sv[0-9A-F]{8}sd[0-9A-F]{8}"
-    rb"bc([0-9A-F]{2})sc([0-9A-F]{2})i([0-9A-F]{2})\s*"
-)
+from hostdev.scan import PCI_DEVICES, ids_from_modalias
 
 
 def read_identities(root: Path) -> tuple[PciFunction, ...]:
@@ -53,17 +45,16 @@ def read_identities(root: Path) -> tuple[PciFunction, ...]:
 def _read_identity(fd: int, name: str) -> PciFunction | None:
     modalias = os.open("modalias", os.O_RDONLY | os.O_CLOEXEC, dir_fd=fd)
     try:
-        match = _MODALIAS.fullmatch(os.read(modalias, 256))
+        ids = ids_from_modalias(os.read(modalias, 256).decode("ascii", "replace").strip())
     finally:
         os.close(modalias)
-    if match is None:
+    if ids is None:
         return None
     try:
         driver: str | None = os.readlink("driver", dir_fd=fd).rpartition("/")[2]
     except FileNotFoundError:
         driver = None
-    vendor, device, base, sub, prog_if = (int(g, 16) for g in match.groups())
-    class_code = base << 16 | sub << 8 | prog_if
+    vendor, device, _, _, class_code = ids
     return _identity(Bdf.parse(name), vendor, device, class_code, driver)
 
 

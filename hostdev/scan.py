@@ -309,7 +309,7 @@ def _read_function(
         if modalias is not None:
             modalias = sys.intern(modalias)
         ids: tuple[int, int, int | None, int | None, int] | None = (
-            _ids_from_modalias(modalias) if modalias else None
+            ids_from_modalias(modalias) if modalias else None
         )
         if ids is None:
             ids = (
@@ -362,7 +362,7 @@ def _read_function(
 
 
 @functools.lru_cache(maxsize=1024)
-def _ids_from_modalias(modalias: str) -> tuple[int, int, int, int, int] | None:
+def ids_from_modalias(modalias: str) -> tuple[int, int, int, int, int] | None:
     """Vendor, device, subsystem ids and class from `modalias`, which the kernel builds from the
     same fields as the separate attribute files: one read instead of five. Cached: a node's
     functions come in few kinds, so most are parsed once and share their ids."""
